@@ -1,0 +1,38 @@
+"""Find a model pipeline by name without the data service importing any model module statically."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Protocol
+
+import numpy as np
+
+from datasvc.shards import RawSample
+from datasvc.vision import VisionSpec
+
+
+class Pipeline(Protocol):
+    """The model-specific contract the data service is driven by (see pipelines/)."""
+
+    name: str
+    vision: VisionSpec
+    pad_id: int
+
+    def encode(self, raw: RawSample, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and shifted labels for a sample whose images have these grids."""
+
+
+def available() -> list[str]:
+    import pipelines
+
+    return sorted(m.name for m in pkgutil.iter_modules(pipelines.__path__) if not m.name.startswith("_"))
+
+
+def get_pipeline(name: str, **options) -> Pipeline:
+    try:
+        module = importlib.import_module(f"pipelines.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"pipelines.{name}":
+            raise
+        raise ValueError(f"unknown pipeline {name!r}; available: {', '.join(available())}") from None
+    return module.build(**options)

@@ -1,0 +1,102 @@
+"""Real photographs that ship inside installed wheels, written as WebDataset shards.
+
+These are the embedded default data for the main job and the tests' real input: scikit-image's
+sample photos, scikit-learn's and matplotlib's, each with a one-line caption from its loader's
+docstring. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+from PIL import Image
+
+# (loader, caption); grayscale and RGBA ones exercise the mode conversions.
+_SKIMAGE = ["astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina",
+            "immunohistochemistry", "camera", "moon", "coins", "brick", "grass", "gravel",
+            "page", "text", "clock", "colorwheel", "logo"]
+
+
+def real_photos() -> list[tuple[str, np.ndarray, str]]:
+    """(name, uint8 image, caption) for every photo available offline."""
+    import skimage.data as skd
+
+    out = []
+    for name in _SKIMAGE:
+        loader = getattr(skd, name)
+        img = loader()
+        if img.dtype == bool:
+            img = img.astype(np.uint8) * 255
+        doc = (loader.__doc__ or name).strip().splitlines()[0].strip()
+        out.append((name, img, doc))
+    try:
+        from sklearn.datasets import load_sample_images
+
+        for fname, img in zip(("china", "flower"), load_sample_images().images):
+            caption = {"china": "A Chinese temple roof against the sky.", "flower": "A close-up of a flower."}[fname]
+            out.append((fname, img, caption))
+    except ImportError:
+        pass
+    import matplotlib.cbook as cbook
+
+    with cbook.get_sample_data("grace_hopper.jpg") as f:
+        out.append(("grace_hopper", np.asarray(Image.open(f).convert("RGB")), "Portrait of Rear Admiral Grace Hopper."))
+    return out
+
+
+def encode_image(img: np.ndarray, fmt: str = "jpg", quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    pil = Image.fromarray(img)
+    if fmt == "png":
+        pil.save(buf, "PNG")
+    else:
+        pil.convert("RGB" if pil.mode not in ("L", "RGB") else pil.mode).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def write_photo_shards(out_dir: str, samples_per_shard: int = 6, copies: int = 1,
+                       conversations: bool = True) -> list[str]:
+    """Write shards of real photos: caption samples, plus two-image conversations."""
+    import webdataset as wds
+
+    os.makedirs(out_dir, exist_ok=True)
+    photos = real_photos()
+    samples = []
+    for c in range(copies):
+        for name, img, caption in photos:
+            fmt = "png" if img.ndim == 3 and img.shape[2] == 4 else "jpg"
+            samples.append({"__key__": f"{name}_{c:03d}", fmt: encode_image(img, fmt), "txt": caption})
+        if conversations:
+            for a, b in zip(photos[0:6:2], photos[1:6:2]):
+                convo = {"messages": [
+                    {"role": "user", "content": "<image>\n<image>\nWhat is different between these two pictures?"},
+                    {"role": "assistant", "content": f"The first shows: {a[2]} The second shows: {b[2]}"}]}
+                samples.append({"__key__": f"pair_{a[0]}_{b[0]}_{c:03d}", "0.jpg": encode_image(a[1][..., :3]),
+                                "1.jpg": encode_image(b[1][..., :3]), "json": json.dumps(convo).encode()})
+    paths = []
+    for s in range(0, len(samples), samples_per_shard):
+        path = os.path.join(out_dir, f"photos-{s // samples_per_shard:06d}.tar")
+        with wds.TarWriter(path) as sink:
+            for sample in samples[s:s + samples_per_shard]:
+                sink.write(sample)
+        paths.append(path)
+    return paths
+
+
+def default_shards() -> list[str]:
+    """The bundled real-photo shards, written once into the cache directory."""
+    root = os.environ.get("VLMFEED_CACHE", os.path.expanduser("~/.cache/vlmfeed"))
+    out = os.path.join(root, "photos-v1")
+    done = os.path.join(out, ".complete")
+    if not os.path.exists(done):
+        tmp = out + f".tmp{os.getpid()}"
+        write_photo_shards(tmp, copies=4)
+        if os.path.exists(out):
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        open(done, "w").close()
+    return sorted(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".tar"))

@@ -1,0 +1,126 @@
+"""Vision geometry shared by Qwen2/2.5/3-VL style encoders: smart resize and patch layout.
+
+Model-specific numbers live in a pipeline's ``VisionSpec``; this module only does the arithmetic.
+Images are patchified as uint8 with one temporal frame (768 bytes a patch for P=16) and become
+the model's float ``pixel_values`` only on the consumer, see ``to_pixel_values``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class ImageRejected(ValueError):
+    """An image that can never become model input; ``reason`` is a stable counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VisionSpec:
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_aspect_ratio: float = 200.0
+    # Headers declaring more pixels than this are rejected before any decode is attempted.
+    max_decode_pixels: int = 64_000_000
+
+    def __post_init__(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels}: lower min_pixels")
+        if self.max_pixels < self.factor**2:
+            raise ValueError(f"max_pixels must be at least {self.factor**2} (one merge window)")
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one uint8 patch row as transported (one frame)."""
+        return 3 * self.patch_size * self.patch_size
+
+    @property
+    def pixel_values_dim(self) -> int:
+        """Width of one model ``pixel_values`` row (all temporal frames)."""
+        return self.temporal_patch_size * self.patch_dim
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels, self.max_aspect_ratio)
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) patch grid for a single image of the given original size."""
+        th, tw = self.target_size(height, width)
+        return 1, th // self.patch_size, tw // self.patch_size
+
+    def vision_tokens(self, grid_thw) -> int:
+        t, h, w = (int(v) for v in grid_thw)
+        return t * h * w // (self.merge_size**2)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 max_aspect_ratio: float = 200.0) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: both sides multiples of ``factor``, area within [min, max]."""
+    if height <= 0 or width <= 0:
+        raise ImageRejected("empty_image", f"{width}x{height}")
+    if max(height, width) / min(height, width) > max_aspect_ratio:
+        raise ImageRejected("aspect_ratio", f"{width}x{height} exceeds {max_aspect_ratio:g}:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patchify(image: np.ndarray, spec: VisionSpec) -> np.ndarray:
+    """uint8 HWC image (sides multiples of patch*merge) -> uint8 [h*w, 3*P*P], merge-window order.
+
+    Row order matches the HF processor: merge windows row-major, the 2x2 patches of a window
+    consecutive; within a row, channel-major then patch rows.
+    """
+    height, width, channels = image.shape
+    p, m = spec.patch_size, spec.merge_size
+    gh, gw = height // p, width // p
+    x = image.reshape(gh // m, m, p, gw // m, m, p, channels)
+    x = x.transpose(0, 3, 1, 4, 6, 2, 5)
+    return np.ascontiguousarray(x).reshape(gh * gw, channels * p * p)
+
+
+def to_pixel_values(patches, spec: VisionSpec, dtype=None):
+    """uint8 patches [N, 3*P*P] -> normalized float [N, 3*T*P*P], frames repeated like HF.
+
+    Works on numpy arrays and torch tensors (on any device), so ranks can expand on the GPU.
+    """
+    mean = np.asarray(spec.image_mean, dtype=np.float32)
+    std = np.asarray(spec.image_std, dtype=np.float32)
+    n = patches.shape[0]
+    pp = spec.patch_size * spec.patch_size
+    scale = (1.0 / (255.0 * std)).reshape(1, 3, 1, 1)
+    shift = (mean / std).reshape(1, 3, 1, 1)
+    if isinstance(patches, np.ndarray):
+        x = patches.reshape(n, 3, 1, pp).astype(np.float32) * scale - shift
+        x = np.repeat(x, spec.temporal_patch_size, axis=2)
+        out = x.reshape(n, spec.pixel_values_dim)
+        return out if dtype is None else out.astype(dtype)
+    import torch
+
+    t_scale = torch.as_tensor(scale, device=patches.device)
+    t_shift = torch.as_tensor(shift, device=patches.device)
+    x = patches.reshape(n, 3, 1, pp).float() * t_scale - t_shift
+    x = x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
+    return x if dtype is None else x.to(dtype)

@@ -1,0 +1,71 @@
+"""Qwen3-VL: everything model-specific the data service and trainer need, in one place.
+
+Vision numbers and token ids are from the public Qwen3-VL configs (see DESIGN.md). The trainer
+reads ``MEGATRON`` to bind the Megatron-Bridge provider; the data service reads the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from datasvc.shards import RawSample
+from datasvc.text import ChatMLEncoder, ChatTokens, SampleRejected, load_tokenizer, normalize_conversation
+from datasvc.vision import VisionSpec
+
+TOKENS = ChatTokens(
+    im_start=151644,
+    im_end=151645,
+    vision_start=151652,
+    vision_end=151653,
+    image_pad=151655,
+    pad=151643,  # <|endoftext|>
+)
+VIDEO_PAD = 151656
+VOCAB_SIZE = 151936
+
+# Megatron-Bridge binding: the trainer imports these names, the data service never does.
+MEGATRON = {
+    "provider_module": "megatron.bridge.models.qwen_vl",
+    "hf_config_class": "Qwen3VLMoeConfig",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Qwen3VLOptions:
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    max_decode_pixels: int = 64_000_000
+    tokenizer: str | None = None  # None: bundled Qwen3 tokenizer files; else a model id or path
+    caption_prompt: str = ""
+
+
+class Qwen3VLPipeline:
+    name = "qwen3vl"
+    pad_id = TOKENS.pad
+
+    def __init__(self, options: Qwen3VLOptions):
+        self.options = options
+        self.vision = VisionSpec(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                 min_pixels=options.min_pixels, max_pixels=options.max_pixels,
+                                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                                 max_decode_pixels=options.max_decode_pixels)
+        self.tokenizer = load_tokenizer(options.tokenizer)
+        self.chat = ChatMLEncoder(self.tokenizer, TOKENS, options.caption_prompt)
+
+    def encode(self, raw: RawSample, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        image_tokens = [self.vision.vision_tokens(g) for g in grids]
+        if raw.conversation is not None:
+            messages = normalize_conversation(raw.conversation)
+        elif raw.text is not None:
+            caption = raw.text.strip()
+            if not caption:
+                raise SampleRejected("missing_text", "empty caption")
+            messages = self.chat.caption_messages(caption, len(grids))
+        else:
+            raise SampleRejected("missing_text", "no txt or json member")
+        return self.chat.encode(messages, image_tokens)
+
+
+def build(**options) -> Qwen3VLPipeline:
+    return Qwen3VLPipeline(Qwen3VLOptions(**options))
