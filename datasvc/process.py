@@ -138,3 +138,27 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
         mp += sum(p.shape[0] for p, _ in parts) * spec.patch_size**2 / 1e6
     times.add("tokenize", time.perf_counter() - t0, len(encoded))
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
+
+
+def preprocess_images(blobs: list[bytes], spec, decoder: Decoder) -> list[tuple[np.ndarray, tuple] | ImageRejected]:
+    """Encoded images -> (uint8 patches, grid) each, or the reason one was rejected."""
+    jobs, out = [], []
+    for data in blobs:
+        try:
+            header = probe(data, spec.max_decode_pixels)
+            jobs.append(DecodeJob(data, header, spec.target_size(header.height, header.width)))
+            out.append(None)
+        except ImageRejected as exc:
+            out.append(exc)
+    decoded = iter(decoder.decode(jobs))
+    job_iter = iter(jobs)
+    for i, o in enumerate(out):
+        if o is not None:
+            continue
+        job, img = next(job_iter), next(decoded)
+        if isinstance(img, ImageRejected):
+            out[i] = img
+        else:
+            th, tw = job.target_hw
+            out[i] = (patchify(img, spec), (1, th // spec.patch_size, tw // spec.patch_size))
+    return out

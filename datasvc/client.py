@@ -1,0 +1,205 @@
+"""The per-rank end of the data service: an iterator of micro-batches for one trainer rank.
+
+A background thread keeps ``prefetch`` micro-batches in flight: it fetches refs from the rank's
+feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
+tensors (pinned and moved to the GPU when there is one) and expands uint8 patches to float
+``pixel_values``. ``save_state``/``restore_state`` give exact resume.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from datasvc.batch import PackedBatch
+from datasvc.config import ServiceConfig
+from datasvc.service import DataServiceError, End, EndOfData, feeder_name, start_feeder
+from datasvc.vision import to_pixel_values
+
+
+class DataClient:
+    def __init__(self, cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed",
+                 device: str | None = None, output: str = "torch", pixel_dtype: str = "float32"):
+        if not 0 <= dp_rank < cfg.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {cfg.dp_size})")
+        if output not in ("torch", "numpy"):
+            raise ValueError("output must be 'torch' or 'numpy'")
+        self.cfg, self.dp_rank, self.consumer, self.run = cfg, dp_rank, consumer, run
+        self.device, self.output, self.pixel_dtype = device, output, pixel_dtype
+        self._spec = None
+        self._next_step = 0
+        self._last_pos: dict | None = None
+        self._fetched_pos: dict | None = None
+        self._ahead: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+        self.wait_s = 0.0
+        self.transfer_s = 0.0
+        self.delivered = 0
+
+    # ---- iterator ---------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._thread is None:
+            self._start()
+        t0 = time.perf_counter()
+        item = self._ahead.get()
+        self.wait_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        batch, pos = item
+        self._last_pos = pos
+        self.delivered += 1
+        return batch
+
+    def close(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    # ---- state ------------------------------------------------------------------------------
+    def save_state(self) -> dict:
+        """Where this rank stands: restoring continues with the micro-batch after the last one
+        returned by ``__next__`` (prefetched ones are fetched again)."""
+        pos = self._last_pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
+        return {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
+                "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+
+    def restore_state(self, state: dict) -> None:
+        if state.get("dp_rank", self.dp_rank) != self.dp_rank:
+            raise DataServiceError(f"state belongs to dp_rank {state.get('dp_rank')}, not {self.dp_rank}")
+        self.close()
+        start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
+        if self.consumer == 0:
+            self._restart_feeder(state)
+        else:
+            self._await_feeder(start)
+        self._next_step = state["step"]
+        self._fetched_pos = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
+                             "step": state["step"] - 1}
+        self._last_pos = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
+                          "step": state["step"] - 1}
+
+    def _restart_feeder(self, state: dict) -> None:
+        try:
+            old = ray.get_actor(feeder_name(self.run, self.dp_rank))
+            ray.kill(old)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the name frees once the actor is gone
+                try:
+                    ray.get_actor(feeder_name(self.run, self.dp_rank))
+                    time.sleep(0.1)
+                except ValueError:
+                    break
+        except ValueError:
+            pass
+        start_feeder(self.cfg, self.run, self.dp_rank, state)
+
+    def _await_feeder(self, start: dict) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                stats = ray.get(ray.get_actor(feeder_name(self.run, self.dp_rank)).stats.remote())
+                if stats["start"] == start:
+                    return
+            except (ValueError, RayActorError):
+                pass
+            time.sleep(0.2)
+        raise DataServiceError(f"feeder of dp_rank {self.dp_rank} was not restarted at {start}")
+
+    # ---- background fetch ---------------------------------------------------------------------
+    def _start(self) -> None:
+        self._halt.clear()
+        self._ahead = queue.Queue(maxsize=max(1, self.cfg.prefetch))
+        self._thread = threading.Thread(target=self._fetch_loop, name=f"client-{self.dp_rank}", daemon=True)
+        self._thread.start()
+
+    def _feeder(self):
+        return ray.get_actor(feeder_name(self.run, self.dp_rank))
+
+    def _fetch_loop(self) -> None:
+        step = self._next_step
+        try:
+            while not self._halt.is_set():
+                reply = self._call_next(step)
+                if isinstance(reply[0], End):
+                    end = reply[0]
+                    if end.error:
+                        raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {end.error}")
+                    raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
+                                    f"{end.steps} micro-batches; raise epochs or lower train_iters")
+                ref, pos = reply
+                t0 = time.perf_counter()
+                batch = self._materialize(ray.get(ref))
+                self.transfer_s += time.perf_counter() - t0
+                del ref
+                self._fetched_pos = pos
+                step += 1
+                self._next_step = step
+                while not self._halt.is_set():
+                    try:
+                        self._ahead.put((batch, pos), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:
+            self._ahead.put(exc)
+
+    def _call_next(self, step: int) -> list:
+        for attempt in range(3):
+            try:
+                return ray.get(self._feeder().next_batch.remote(self.consumer, step))
+            except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
+                if attempt == 2:
+                    raise DataServiceError(f"feeder of dp_rank {self.dp_rank} is gone and could not be "
+                                           f"restarted: {exc}") from exc
+                self._recover_feeder()
+        raise AssertionError("unreachable")
+
+    def _recover_feeder(self) -> None:
+        """The feeder died: restart it at the micro-batch after the last one fetched."""
+        pos = self._fetched_pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
+        state = {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
+                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+        if self.consumer == 0:
+            self._restart_feeder(state)
+        else:
+            self._await_feeder({k: state[k] for k in ("epoch", "block", "batch", "step")})
+
+    def _materialize(self, packed: PackedBatch):
+        if self.output == "numpy":
+            return packed
+        import torch
+
+        cuda = self.device is not None and str(self.device).startswith("cuda")
+
+        def tensor(a: np.ndarray):
+            t = torch.from_numpy(np.array(a, copy=True))  # object-store arrays are read-only
+            if cuda:
+                t = t.pin_memory().to(self.device, non_blocking=True)
+            return t
+
+        from datasvc.registry import get_pipeline
+
+        if self._spec is None:
+            self._spec = get_pipeline(self.cfg.pipeline, **self.cfg.pipeline_options).vision
+        patches = tensor(packed.patches)
+        dtype = getattr(torch, self.pixel_dtype)
+        return {
+            "tokens": tensor(packed.tokens),
+            "labels": tensor(packed.labels),
+            "loss_mask": tensor(packed.loss_mask),
+            "cu_seqlens": tensor(packed.cu_seqlens),
+            "num_samples": tensor(packed.num_samples),
+            "pixel_values": to_pixel_values(patches, self._spec, dtype=dtype),
+            "image_grid_thw": tensor(packed.image_grid_thw),
+            "sample_keys": list(packed.sample_keys),
+        }

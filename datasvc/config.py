@@ -1,0 +1,74 @@
+"""Data service configuration: one typed dataclass, checked when built."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    shards: tuple[str, ...]
+    """Shard paths, globs or brace patterns."""
+    pipeline: str = "qwen3vl"
+    pipeline_options: dict = field(default_factory=dict)
+    """Passed to the pipeline's ``build`` (e.g. max_pixels, tokenizer)."""
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    dp_size: int = 1
+    consumers_per_replica: int = 1
+    """Ranks of one data-parallel replica (TP x PP x CP): each receives every micro-batch."""
+    epochs: int | None = 1
+    """None streams forever."""
+    seed: int = 0
+    samples_per_item: int = 16
+    """Samples per work item (the unit an actor processes and redoes after a failure)."""
+    items_per_block: int = 4
+    """Work items shuffled and packed together; also the granularity of exact resume."""
+    decode: Literal["cpu", "gpu"] = "cpu"
+    decode_threads: int = 1
+    min_actors: int = 1
+    max_actors: int = 2
+    """Preprocessing actors per data-parallel rank, autoscaled between these."""
+    max_batches_ahead: int = 4
+    max_bytes_ahead: int = 1 << 30
+    """Per DP rank: produced-but-unconsumed micro-batches are bounded by both."""
+    autoscale_interval_s: float = 2.0
+    prefetch: int = 2
+    """Micro-batches a client fetches ahead on a background thread."""
+    max_images_per_sample: int = 64
+    max_text_bytes: int = 256 * 1024
+
+    def __post_init__(self):
+        if isinstance(self.shards, str):
+            object.__setattr__(self, "shards", (self.shards,))
+        else:
+            object.__setattr__(self, "shards", tuple(self.shards))
+        problems = []
+        if not self.shards:
+            problems.append("shards is empty: pass at least one path, glob or brace pattern")
+        if self.dp_size < 1 or self.consumers_per_replica < 1:
+            problems.append("dp_size and consumers_per_replica must be >= 1")
+        if not 1 <= self.min_actors <= self.max_actors:
+            problems.append(f"need 1 <= min_actors ({self.min_actors}) <= max_actors ({self.max_actors})")
+        if self.max_batches_ahead < 1:
+            problems.append("max_batches_ahead must be >= 1")
+        if self.samples_per_item < 1 or self.items_per_block < 1:
+            problems.append("samples_per_item and items_per_block must be >= 1")
+        if self.epochs is not None and self.epochs < 1:
+            problems.append("epochs must be >= 1 or None (stream forever)")
+        if self.decode not in ("cpu", "gpu"):
+            problems.append(f"decode must be 'cpu' or 'gpu', not {self.decode!r}")
+        if self.seq_len < 16 or self.micro_batch_size < 1:
+            problems.append("seq_len must be >= 16 and micro_batch_size >= 1")
+        if problems:
+            raise ValueError("invalid data service config: " + "; ".join(problems))
+
+    def fingerprint(self) -> str:
+        """What must match for a saved loader state to be restored exactly."""
+        keys = ("shards", "pipeline", "pipeline_options", "seq_len", "micro_batch_size", "dp_size",
+                "seed", "samples_per_item", "items_per_block")
+        d = asdict(self)
+        blob = json.dumps({k: d[k] for k in keys}, sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,439 @@
+"""The data service on Ray: preprocessing actors and one feeder per data-parallel rank.
+
+    DataService (driver: holds handles and config, never bulk data)
+      └─ Feeder, one per DP rank (plans, packs, bounds what is ahead, autoscales its pool)
+           └─ PreprocessActor x [min_actors, max_actors] (read -> decode -> preprocess -> tokenize)
+    DataClient, one per trainer rank (datasvc.client): pulls micro-batch refs from its feeder.
+
+A micro-batch is put in the object store once by its feeder; every consumer rank of that
+replica (TP/PP/CP) fetches the same object.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from datasvc.config import ServiceConfig
+from datasvc.plan import EpochPlan, Position
+from datasvc.process import ItemResult, StageTimes, WorkItem, process_item
+from datasvc.rejects import Accounting
+from datasvc.shards import ReadLimits, expand_shards
+
+log = logging.getLogger("vlmfeed.service")
+
+
+class DataServiceError(RuntimeError):
+    """An error no retry can fix; raised in the client with the reason."""
+
+
+class EndOfData(StopIteration):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """Sentinel returned by ``Feeder.next_batch`` after the last micro-batch (or on error)."""
+
+    error: str = ""
+    steps: int = 0
+
+
+@ray.remote
+class PreprocessActor:
+    def __init__(self, cfg: ServiceConfig, device_id: int = 0):
+        from datasvc.decode import make_decoder
+        from datasvc.registry import get_pipeline
+
+        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+        self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id)
+        self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
+
+    def process(self, item: WorkItem) -> ItemResult:
+        return process_item(item, self.pipeline, self.decoder, self.limits)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _quarantine_item(item: WorkItem, reason: str, detail: str) -> ItemResult:
+    acct = Accounting()
+    acct.read = len(item.samples)
+    for s in item.samples:
+        acct.reject(item.shard, s.key, reason, detail)
+    return ItemResult(item.item_id, [], acct, StageTimes())
+
+
+class _Pool:
+    """Preprocessing actors of one feeder; replaces the dead, resubmits their items."""
+
+    def __init__(self, cfg: ServiceConfig, rank: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.actors: list = []
+        self.retiring: list = []
+        self.in_flight: dict = {}  # ref -> (item_key, item, actor, attempts)
+        self.replaced = 0
+        for _ in range(cfg.min_actors):
+            self.grow()
+
+    def _new(self):
+        opts = {"num_cpus": self.cfg.decode_threads}
+        if self.cfg.decode == "gpu":
+            opts["num_gpus"] = 0.25  # GPU decode shares the device with the trainer rank
+        return PreprocessActor.options(**opts).remote(self.cfg)
+
+    def grow(self) -> None:
+        self.actors.append(self._new())
+
+    def shrink(self) -> None:
+        if len(self.actors) > 1:
+            self.retiring.append(self.actors.pop())
+
+    def load(self, actor) -> int:
+        return sum(1 for _, _, a, _ in self.in_flight.values() if a is actor)
+
+    def submit(self, key, item: WorkItem, attempts: int = 0) -> bool:
+        actor = min(self.actors, key=self.load)
+        if self.load(actor) >= 2:
+            return False
+        self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
+        return True
+
+    def has_room(self) -> bool:
+        return any(self.load(a) < 2 for a in self.actors)
+
+    def collect(self, timeout: float) -> list[tuple[object, ItemResult]]:
+        if not self.in_flight:
+            return []
+        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
+        done = []
+        for ref in ready:
+            key, item, actor, attempts = self.in_flight.pop(ref)
+            try:
+                done.append((key, ray.get(ref)))
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+                self._replace(actor, exc)
+                self.in_flight[self._resubmit(item)] = (key, item, self._last_target, attempts)
+            except RayTaskError as exc:
+                if attempts < 1:
+                    self.in_flight[self._resubmit(item)] = (key, item, self._last_target, attempts + 1)
+                else:  # a deterministic failure: count every sample of the item, move on
+                    done.append((key, _quarantine_item(item, "worker_error", str(exc).splitlines()[-1][:200])))
+        self._reap_retired()
+        return done
+
+    def _resubmit(self, item):
+        self._last_target = min(self.actors, key=self.load)
+        return self._last_target.process.remote(item)
+
+    def _replace(self, actor, exc) -> None:
+        if actor not in self.actors:
+            return
+        self.replaced += 1
+        log.warning("rank %d: preprocessing actor died (%s); replacing it and redoing its items",
+                    self.rank, type(exc).__name__)
+        for i, a in enumerate(self.actors):
+            if a is actor:
+                self.actors[i] = self._new()
+                break
+        # Not found: already replaced while collecting an earlier item of the same actor.
+        # Items that were queued on the dead actor fail too and come back through collect().
+
+    def _reap_retired(self) -> None:
+        for a in list(self.retiring):
+            if self.load(a) == 0:
+                ray.kill(a)
+                self.retiring.remove(a)
+
+    def shutdown(self) -> None:
+        for a in self.actors + self.retiring:
+            ray.kill(a)
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class Feeder:
+    """One data-parallel rank's stream: plan, preprocess (through its pool), pack, bound, serve."""
+
+    def __init__(self, cfg: ServiceConfig, rank: int, start: dict | None = None):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.cfg = cfg
+        self.rank = rank
+        self.start = Position(**start) if start else Position()
+        self.plan = EpochPlan(cfg)
+        from datasvc.registry import get_pipeline
+
+        pipe = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+        self.pad_id, self.patch_dim = pipe.pad_id, pipe.vision.patch_dim
+        del pipe
+        self.pool = _Pool(cfg, rank)
+        self.cond = threading.Condition()
+        self.queue: OrderedDict[int, tuple] = OrderedDict()  # step -> (ref, position, nbytes, taken)
+        self.bytes_ahead = 0
+        self.end: End | None = None
+        self.acct = Accounting()
+        self.times = StageTimes()
+        self.images = 0
+        self.megapixels = 0.0
+        self.text_tokens = 0
+        self.vision_tokens = 0
+        self.real_tokens = 0
+        self.row_tokens = 0
+        self.batches = 0
+        self.consumer_wait_s = 0.0
+        self.producer_blocked_s = 0.0
+        self.decisions: list[dict] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._produce, name=f"feeder-{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- consumer side -------------------------------------------------------------------------
+    def next_batch(self, consumer: int, step: int) -> list:
+        """``[ref, position]`` of micro-batch ``step``, or ``[End]`` after the last one."""
+        t0 = time.perf_counter()
+        with self.cond:
+            while step not in self.queue and self.end is None:
+                if self.queue and step < next(iter(self.queue)):
+                    return [End(error=f"step {step} was already released; restore from a saved state")]
+                self.cond.wait(timeout=0.5)
+            waited = time.perf_counter() - t0
+            self.consumer_wait_s += waited
+            if step not in self.queue:
+                return [self.end]
+            ref, pos, nbytes, taken = self.queue[step]
+            taken.add(consumer)
+            if len(taken) >= self.cfg.consumers_per_replica:
+                del self.queue[step]
+                self.bytes_ahead -= nbytes
+                self.cond.notify_all()
+            return [ref, pos.as_dict()]
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {
+                "rank": self.rank,
+                "start": self.start.as_dict(),
+                "accounting": self.acct.as_dict(),
+                "stages": self.times.as_dict(),
+                "queue_depth": len(self.queue),
+                "bytes_ahead": self.bytes_ahead,
+                "actors": len(self.pool.actors),
+                "actors_replaced": self.pool.replaced,
+                "items_in_flight": len(self.pool.in_flight),
+                "consumer_wait_s": round(self.consumer_wait_s, 3),
+                "producer_blocked_s": round(self.producer_blocked_s, 3),
+                "micro_batches": self.batches,
+                "images": self.images,
+                "megapixels": round(self.megapixels, 3),
+                "text_tokens": self.text_tokens,
+                "vision_tokens": self.vision_tokens,
+                "packing_efficiency": round(self.real_tokens / max(1, self.row_tokens), 4),
+                "autoscale_decisions": list(self.decisions),
+                "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
+                               for r in self.acct.log[-50:]],
+                "done": self.end is not None,
+                "error": self.end.error if self.end else "",
+            }
+
+    def actor_handles(self) -> list:
+        """The live preprocessing actors (for fault-injection tests and tools)."""
+        return list(self.pool.actors)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        with self.cond:
+            self.cond.notify_all()
+        self._thread.join(timeout=10)
+        self.pool.shutdown()
+
+    # ---- producer side -------------------------------------------------------------------------
+    def _schedule(self):
+        """(epoch, block, items) from the start position on, lazily."""
+        epoch = self.start.epoch
+        while self.cfg.epochs is None or epoch < self.cfg.epochs:
+            blocks = self.plan.blocks(epoch, self.rank)
+            if not blocks:
+                raise DataServiceError(
+                    f"rank {self.rank} gets no work: {len(self.plan._items)} work items for dp_size="
+                    f"{self.cfg.dp_size}; lower samples_per_item or dp_size, or add shards")
+            first = self.start.block if epoch == self.start.epoch else 0
+            for b in range(first, len(blocks)):
+                yield epoch, b, blocks[b]
+            epoch += 1
+
+    def _produce(self) -> None:
+        try:
+            self._produce_all()
+            end = End(steps=self.start.step + self.batches)
+        except Exception as exc:  # delivered to every consumer instead of a hang
+            log.exception("rank %d: producer failed", self.rank)
+            end = End(error=f"{type(exc).__name__}: {exc}", steps=self.start.step + self.batches)
+        with self.cond:
+            self.end = end
+            self.cond.notify_all()
+
+    def _produce_all(self) -> None:
+        schedule = self._schedule()
+        upcoming: deque = deque()  # (epoch, block, items) fetched from the schedule, not yet packed
+        results: dict = {}
+        submitted: set = set()
+        step = self.start.step
+        epoch_batches: dict[int, int] = {}
+        last_scale = time.monotonic()
+        wait_mark, blocked_mark = self.consumer_wait_s, self.producer_blocked_s
+        exhausted = False
+        while not self._stop:
+            # Keep the pool busy: submit items of the current and following blocks.
+            while not exhausted and len(upcoming) < 3:
+                nxt = next(schedule, None)
+                if nxt is None:
+                    exhausted = True
+                else:
+                    upcoming.append(nxt)
+            if not upcoming:
+                break
+            for e, b, items in upcoming:
+                for i, item in enumerate(items):
+                    key = (e, b, i)
+                    if key not in submitted and self.pool.has_room():
+                        self.pool.submit(key, item)
+                        submitted.add(key)
+            for key, res in self.pool.collect(timeout=0.2):
+                results[key] = res
+            e, b, items = upcoming[0]
+            if all((e, b, i) in results for i in range(len(items))):
+                upcoming.popleft()
+                block = [results.pop((e, b, i)) for i in range(len(items))]
+                for i in range(len(items)):
+                    submitted.discard((e, b, i))
+                step = self._emit_block(e, b, block, step, epoch_batches)
+            if time.monotonic() - last_scale >= self.cfg.autoscale_interval_s:
+                self._autoscale(self.consumer_wait_s - wait_mark, self.producer_blocked_s - blocked_mark,
+                                time.monotonic() - last_scale)
+                last_scale = time.monotonic()
+                wait_mark, blocked_mark = self.consumer_wait_s, self.producer_blocked_s
+        for e, n in epoch_batches.items():
+            if n == 0:
+                raise DataServiceError(f"rank {self.rank}: epoch {e} produced no micro-batches; every sample "
+                                       f"was rejected: {self.acct.as_dict()}")
+
+    def _emit_block(self, epoch, block, results: list[ItemResult], step, epoch_batches) -> int:
+        samples = []
+        for r in results:
+            samples.extend(r.samples)
+            self.acct.merge(r.accounting)
+            self.times.merge(r.times)
+            self.images += r.images
+            self.megapixels += r.megapixels
+        t0 = time.perf_counter()
+        batches, too_long = self.plan.pack_block(samples, epoch, self.rank, block, self.pad_id, self.patch_dim)
+        self.times.add("pack", time.perf_counter() - t0, len(batches))
+        for s in too_long:
+            self.acct.reject(s.shard, s.key, "longer_than_seq_len", f"{s.num_tokens} tokens > seq_len {self.cfg.seq_len}")
+        epoch_batches.setdefault(epoch, 0)
+        skip = self.start.batch if (epoch, block) == (self.start.epoch, self.start.block) else 0
+        for i, batch in enumerate(batches):
+            if i < skip:
+                continue
+            nbytes = batch.nbytes
+            t0 = time.perf_counter()
+            with self.cond:
+                while (self.queue and (len(self.queue) >= self.cfg.max_batches_ahead
+                                       or self.bytes_ahead + nbytes > self.cfg.max_bytes_ahead)
+                       and not self._stop):
+                    self.cond.wait(timeout=0.5)
+            self.producer_blocked_s += time.perf_counter() - t0
+            if self._stop:
+                return step
+            ref = ray.put(batch)
+            with self.cond:
+                self.queue[step] = (ref, Position(epoch, block, i, step), nbytes, set())
+                self.bytes_ahead += nbytes
+                self.cond.notify_all()
+            self.acct.delivered += len(batch.sample_keys)
+            n_img_tok = int(batch.image_grid_thw.prod(axis=1).sum()) // 4 if len(batch.image_grid_thw) else 0
+            self.vision_tokens += n_img_tok
+            self.text_tokens += batch.real_tokens - n_img_tok
+            self.real_tokens += batch.real_tokens
+            self.row_tokens += batch.tokens.size
+            self.batches += 1
+            epoch_batches[epoch] += 1
+            step += 1
+        # Samples of skipped (already delivered) micro-batches were delivered before the restore.
+        for batch in batches[:skip]:
+            self.acct.delivered += len(batch.sample_keys)
+        return step
+
+    def _autoscale(self, waited: float, blocked: float, interval: float) -> None:
+        n = len(self.pool.actors)
+        action, reason = None, ""
+        if waited > 0.1 * interval and n < self.cfg.max_actors:
+            self.pool.grow()
+            action, reason = "up", f"consumers waited {waited:.2f}s of {interval:.2f}s for data"
+        elif blocked > 0.5 * interval and waited == 0 and n > self.cfg.min_actors:
+            self.pool.shrink()
+            action, reason = "down", f"producer blocked {blocked:.2f}s of {interval:.2f}s on a full queue"
+        if action:
+            d = {"time": time.time(), "action": action, "actors": len(self.pool.actors), "reason": reason}
+            self.decisions.append(d)
+            log.info("rank %d autoscale %s -> %d actors: %s", self.rank, action, d["actors"], reason)
+
+
+def feeder_name(run: str, rank: int) -> str:
+    return f"{run}-feeder-{rank}"
+
+
+class DataService:
+    """Starts one feeder per DP rank; hands out per-rank clients; aggregates stats."""
+
+    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None):
+        expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
+        from datasvc.registry import available
+
+        if cfg.pipeline not in available():
+            raise ValueError(f"unknown pipeline {cfg.pipeline!r}; available: {', '.join(available())}")
+        self.cfg = cfg
+        self.run = run
+        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r)) for r in range(cfg.dp_size)]
+
+    def client(self, dp_rank: int, consumer: int = 0, **kwargs):
+        from datasvc.client import DataClient
+
+        return DataClient(self.cfg, dp_rank, consumer, run=self.run, **kwargs)
+
+    def stats(self) -> dict:
+        per_rank = ray.get([f.stats.remote() for f in self.feeders])
+        total = Accounting()
+        for s in per_rank:
+            a = s["accounting"]
+            total.read += a["read"]
+            total.delivered += a["delivered"]
+            total.quarantined.update(a["quarantined"])
+            total.skipped_by_rule.update(a["skipped_by_rule"])
+            total.ignored_members.update(a["ignored_members"])
+        return {"ranks": per_rank, "accounting": total.as_dict()}
+
+    def shutdown(self) -> None:
+        for f in self.feeders:
+            try:
+                ray.get(f.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(f)
+
+
+def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = None):
+    start = None
+    if state:
+        if state.get("fingerprint") != cfg.fingerprint():
+            raise DataServiceError("saved loader state was made with a different data config "
+                                   "(shards, seed, seq_len, MBS, dp_size, ...); restore with the same one")
+        start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
+    return Feeder.options(name=feeder_name(run, rank)).remote(cfg, rank, start)

@@ -1,0 +1,409 @@
+"""Training options for the Megatron-Bridge backend: small typed sections, one top-level config.
+
+Everything here is plain Python (no torch, no Megatron import), so ``python -m trainer.run`` can parse
+and validate a job before any GPU is touched. ``TrainerConfig.validate(world_size)`` mirrors the checks
+Megatron-Core / Megatron-Bridge would make later (deep inside model construction, after minutes of
+start-up) and says what to change. ``trainer.megatron_backend`` turns a validated config into a
+Megatron-Bridge ``ConfigContainer``.
+
+Command line: ``add_cli_args(parser)`` adds the options, ``from_args(args)`` builds the config.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """An invalid combination of options; the message lists every problem and what to change."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Model architecture presets (public Hugging Face config.json of each model, see DESIGN.md)
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Qwen3VLArch:
+    """The numbers that define a Qwen3-VL MoE model (language tower + vision tower)."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int = 128
+    num_experts: int = 128
+    moe_topk: int = 8
+    moe_ffn_hidden_size: int
+    dense_ffn_hidden_size: int  # HF ``intermediate_size``; unused by all-MoE layers but part of the config
+    vocab_size: int = 151936
+    rope_theta: float = 5_000_000.0
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    max_position_embeddings: int = 262144
+    # vision tower
+    vision_depth: int = 27
+    vision_hidden_size: int = 1152
+    vision_num_heads: int = 16
+    vision_ffn_hidden_size: int = 4304
+    vision_out_hidden_size: int  # equals the language hidden size
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+
+
+PRESETS: dict[str, Qwen3VLArch] = {
+    "qwen3vl-30b-a3b": Qwen3VLArch(
+        hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
+        moe_ffn_hidden_size=768, dense_ffn_hidden_size=6144, vision_out_hidden_size=2048,
+    ),
+    "qwen3vl-235b-a22b": Qwen3VLArch(
+        hidden_size=4096, num_layers=94, num_attention_heads=64, num_kv_heads=4,
+        moe_ffn_hidden_size=1536, dense_ffn_hidden_size=12288, vision_out_hidden_size=4096,
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = "qwen3vl-30b-a3b"
+    # Overrides that turn a preset into a proxy that fits one or two GPUs (None keeps the preset's).
+    num_layers: int | None = None
+    num_experts: int | None = None
+    vision_depth: int | None = None
+    # A Hugging Face checkpoint (id or local dir) to start from through AutoBridge; None = random init.
+    hf_path: str | None = None
+    freeze_language_model: bool = False
+    freeze_vision_model: bool = False
+    freeze_vision_projection: bool = False
+
+    def arch(self) -> Qwen3VLArch:
+        """The preset with the overrides applied."""
+        base = PRESETS[self.preset]
+        changes = {k: v for k, v in (("num_layers", self.num_layers), ("num_experts", self.num_experts),
+                                     ("vision_depth", self.vision_depth)) if v is not None}
+        return dataclasses.replace(base, **changes)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    # fsdp: Megatron-FSDP (params, grads and optimizer state sharded over DP), overlaps on.
+    # 3d:   TP/PP/VPP/CP/EP/ETP with the distributed optimizer.
+    strategy: Literal["fsdp", "3d"] = "fsdp"
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None = Megatron's default (same as TP)
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    dispatcher: Literal["alltoall", "flex"] = "alltoall"
+    flex_backend: Literal["deepep", "hybridep"] | None = None  # required with dispatcher="flex"
+    aux_loss_coeff: float = 1e-3
+
+
+@dataclass(kw_only=True)
+class RecomputeConfig:
+    granularity: Literal["none", "full", "selective"] = "none"
+    # selective: which modules to recompute (Megatron's names); full: uniform, every layer.
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    num_layers: int = 1  # full recompute: layers per recompute chunk (Megatron "uniform" method)
+
+
+@dataclass(kw_only=True)
+class CudaGraphConfig:
+    # Per-layer Transformer Engine CUDA graphs over these parts of each decoder layer, e.g.
+    # ["attn", "moe_router", "moe_preprocess"]; empty = CUDA graphs off.
+    scope: list[str] = field(default_factory=list)
+    warmup_steps: int = 3
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    mbs: int = 1  # rows per micro-batch (a packed row holds several samples)
+    gbs: int = 8  # rows per optimizer step, over all DP ranks
+    seq_len: int = 4096
+    train_iters: int = 50
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup_iters: int = 5
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    bf16: bool = True
+    seed: int = 1234
+    log_interval: int = 1
+    # padded=True: Megatron-Bridge's stock qwen3_vl_step with one sample per padded row (comparison
+    # baseline); False: our packed forward step (THD, MRoPE restarted per sample).
+    padded: bool = False
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (p.tp * p.pp * p.cp)
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError listing every problem; cheap, no torch, call before any GPU work."""
+        problems = _check(self, world_size)
+        if problems:
+            raise ConfigError("invalid training options:\n  - " + "\n  - ".join(problems))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Names Megatron-Core accepts (transformer_config.py, megatron-core 0.19.2)
+RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts"}
+CUDA_GRAPH_SCOPES = {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}
+
+
+def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
+    m, p, moe, rc, cg, t = cfg.model, cfg.parallel, cfg.moe, cfg.recompute, cfg.cuda_graph, cfg.train
+    out: list[str] = []
+
+    if m.preset not in PRESETS:
+        return [f"unknown model preset {m.preset!r}; choose one of {sorted(PRESETS)}"]
+    for name in ("num_layers", "num_experts", "vision_depth"):
+        v = getattr(m, name)
+        if v is not None and v < 1:
+            out.append(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+    if out:
+        return out
+    a = m.arch()
+    if m.hf_path and (m.num_layers or m.num_experts or m.vision_depth):
+        out.append("--hf-path loads a full checkpoint; drop --num-layers/--num-experts/--vision-depth "
+                   "(they would not match its weights) or drop --hf-path for a random-init proxy")
+    if m.freeze_language_model and m.freeze_vision_model and m.freeze_vision_projection:
+        out.append("everything is frozen (language model, vision model and projection): nothing to train")
+
+    # --- parallel sizes -------------------------------------------------------------------------
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            out.append(f"--{name} must be >= 1")
+    if p.etp is not None and p.etp < 1:
+        out.append("--etp must be >= 1")
+    if out:
+        return out
+    mp = p.tp * p.pp * p.cp
+    if world_size % mp:
+        out.append(f"TP*PP*CP = {p.tp}*{p.pp}*{p.cp} = {mp} must divide the world size {world_size}; "
+                   f"change --tp/--pp/--cp or the number of GPUs")
+    else:
+        dp = world_size // mp
+        if t.gbs % (t.mbs * dp):
+            out.append(f"--gbs {t.gbs} must be a multiple of MBS*DP = {t.mbs}*{dp} = {t.mbs * dp}")
+    etp = p.etp or p.tp
+    if world_size % (etp * p.ep * p.pp):
+        out.append(f"ETP*EP*PP = {etp}*{p.ep}*{p.pp} must divide the world size {world_size} "
+                   f"(Megatron's expert-parallel grid)")
+    if a.num_experts % p.ep:
+        out.append(f"EP={p.ep} must divide the number of experts ({a.num_experts}); "
+                   f"change --ep or --num-experts")
+    if a.num_attention_heads % p.tp or a.num_kv_heads % p.tp:
+        out.append(f"TP={p.tp} must divide the attention heads ({a.num_attention_heads}) and the KV heads "
+                   f"({a.num_kv_heads}); use TP <= {math.gcd(a.num_attention_heads, a.num_kv_heads)}")
+    if a.vision_num_heads % p.tp:
+        out.append(f"TP={p.tp} must divide the vision tower's heads ({a.vision_num_heads})")
+    if p.tp > 1 and a.moe_ffn_hidden_size % etp:
+        out.append(f"ETP={etp} must divide moe_ffn_hidden_size ({a.moe_ffn_hidden_size})")
+
+    # --- pipeline ------------------------------------------------------------------------------
+    if p.vpp is not None:
+        if p.vpp < 2:
+            out.append("--vpp must be >= 2 (or left unset)")
+        if p.pp < 2:
+            out.append("--vpp needs --pp >= 2 (virtual stages interleave pipeline stages)")
+    chunks = p.pp * (p.vpp or 1)
+    if a.num_layers % chunks:
+        out.append(f"{a.num_layers} decoder layers cannot be split evenly over PP*VPP = {chunks} "
+                   f"model chunks; change --num-layers, --pp or --vpp")
+    elif a.num_layers // chunks < len(a.deepstack_visual_indexes):
+        # Qwen3VLModel asserts this: deepstack features are added to the first stage's layers.
+        out.append(f"the first pipeline chunk holds {a.num_layers // chunks} decoder layers but Qwen3-VL adds "
+                   f"{len(a.deepstack_visual_indexes)} deepstack vision features there; use more layers "
+                   f"or a smaller --pp/--vpp")
+    if max(a.deepstack_visual_indexes) >= a.vision_depth:
+        out.append(f"the vision tower needs more than {max(a.deepstack_visual_indexes)} layers for its "
+                   f"deepstack taps {list(a.deepstack_visual_indexes)} (got --vision-depth {a.vision_depth})")
+
+    # --- strategy ------------------------------------------------------------------------------
+    if p.strategy == "fsdp":
+        if p.pp > 1 or p.vpp is not None:
+            out.append("--strategy fsdp (Megatron-FSDP) shards over data parallel and does not combine with "
+                       "pipeline parallelism here; use --pp 1, or --strategy 3d")
+    elif p.strategy != "3d":
+        out.append(f"--strategy must be 'fsdp' or '3d' (got {p.strategy!r})")
+
+    # --- sequence --------------------------------------------------------------------------------
+    if t.mbs < 1 or t.gbs < 1 or t.seq_len < 1 or t.train_iters < 1:
+        out.append("--mbs, --gbs, --seq-len and --train-iters must be >= 1")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        out.append(f"--seq-len {t.seq_len} must be divisible by 2*CP = {2 * p.cp} (context parallel load balance)")
+    if p.tp > 1 and t.seq_len % (p.tp * (2 * p.cp if p.cp > 1 else 1)):
+        out.append(f"--seq-len {t.seq_len} must be divisible by TP{'*2*CP' if p.cp > 1 else ''} "
+                   f"(sequence parallel is on with TP > 1 for Qwen3-VL MoE)")
+
+    # --- MoE dispatcher -----------------------------------------------------------------------
+    if moe.dispatcher == "flex":
+        if moe.flex_backend not in ("deepep", "hybridep"):
+            out.append("--moe-dispatcher flex needs --flex-backend deepep or hybridep")
+        if etp * p.ep <= 1 and p.tp * p.ep <= 1:
+            out.append("the flex dispatcher (DeepEP/HybridEP) needs TP*EP > 1; with one expert-parallel rank "
+                       "use --moe-dispatcher alltoall")
+    elif moe.dispatcher == "alltoall":
+        if moe.flex_backend is not None:
+            out.append("--flex-backend only applies with --moe-dispatcher flex")
+    else:
+        out.append(f"--moe-dispatcher must be alltoall or flex (got {moe.dispatcher!r})")
+
+    # --- recompute -----------------------------------------------------------------------------
+    if rc.granularity == "selective":
+        bad = set(rc.modules) - RECOMPUTE_MODULES
+        if bad or not rc.modules:
+            out.append(f"--recompute-modules {sorted(bad) or '(empty)'} not understood; "
+                       f"choose from {sorted(RECOMPUTE_MODULES)}")
+        if "mlp" in rc.modules:
+            out.append("recompute module 'mlp' is for dense layers; every Qwen3-VL MoE layer is MoE, use 'moe' "
+                       "or 'moe_act'")
+    elif rc.granularity == "full":
+        per_stage = a.num_layers // max(chunks, 1)
+        if not 1 <= rc.num_layers <= max(per_stage, 1):
+            out.append(f"--recompute-num-layers must be between 1 and the layers per pipeline chunk ({per_stage})")
+    elif rc.granularity != "none":
+        out.append(f"--recompute must be none, full or selective (got {rc.granularity!r})")
+
+    # --- CUDA graphs ---------------------------------------------------------------------------
+    if cg.scope:
+        scope = set(cg.scope)
+        bad = scope - CUDA_GRAPH_SCOPES
+        if bad:
+            out.append(f"--cuda-graph-scope {sorted(bad)} not understood; choose from {sorted(CUDA_GRAPH_SCOPES)}")
+        if "mlp" in scope:
+            out.append("CUDA-graph scope 'mlp' captures dense MLPs; Qwen3-VL MoE has none (use moe_router)")
+        if "moe" in scope:
+            out.append("CUDA-graph scope 'moe' needs drop-and-pad MoE (fixed expert capacity), which this trainer "
+                       "does not use; use 'moe_router moe_preprocess'")
+        if "moe" in scope and "moe_router" in scope:
+            out.append("CUDA-graph scope cannot hold both 'moe' and 'moe_router'")
+        if "moe_preprocess" in scope and "moe_router" not in scope:
+            out.append("CUDA-graph scope 'moe_preprocess' needs 'moe_router' too")
+        if rc.granularity == "full":
+            out.append("--recompute full is incompatible with per-layer CUDA graphs (Megatron allows full recompute "
+                       "only with full-iteration graphs); use --recompute selective or drop --cuda-graph-scope")
+        if rc.granularity == "selective" and "moe" in rc.modules and "moe_router" in scope:
+            out.append("recompute module 'moe' cannot be combined with the 'moe_router' CUDA graph; recompute "
+                       "'moe_act' instead or drop moe_router from the scope")
+        if not t.padded:
+            if "attn" in scope:
+                out.append("packed rows pass THD PackedSeqParams to attention, which Transformer Engine CUDA graphs "
+                           "cannot take; drop 'attn' from --cuda-graph-scope (keep moe_router moe_preprocess) or "
+                           "use --padded")
+            if p.pp > 1 or p.cp > 1:
+                out.append("CUDA graphs need fixed shapes, but packed rows with PP > 1 or CP > 1 have a variable "
+                           "token count per micro-batch; use --padded or drop --cuda-graph-scope")
+    if cg.warmup_steps < 1 and cg.scope:
+        out.append("--cuda-graph-warmup-steps must be >= 1")
+
+    # --- numerics ------------------------------------------------------------------------------
+    if moe.dispatcher == "flex" and not t.bf16:
+        out.append("the flex dispatcher (DeepEP/HybridEP) moves bf16 tokens; keep --bf16")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        out.append(f"need 0 <= --min-lr <= --lr and --lr > 0 (got lr={t.lr}, min_lr={t.min_lr})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+def _bool_flag(group, name: str, default: bool, help: str) -> None:
+    group.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the Megatron backend's options (names follow the Megatron-Bridge performance guide)."""
+    d = TrainerConfig()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-preset", choices=sorted(PRESETS), default=d.model.preset)
+    g.add_argument("--num-layers", type=int, default=None, help="decoder layers (proxy override)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (proxy override)")
+    g.add_argument("--vision-depth", type=int, default=None, help="vision tower layers (proxy override)")
+    g.add_argument("--hf-path", default=None, help="start from this HF checkpoint via AutoBridge (default: random init)")
+    _bool_flag(g, "--freeze-language-model", False, "freeze the language model")
+    _bool_flag(g, "--freeze-vision-model", False, "freeze the vision tower")
+    _bool_flag(g, "--freeze-vision-projection", False, "freeze the vision projection (mergers)")
+
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--strategy", choices=["fsdp", "3d"], default=d.parallel.strategy)
+    for name in ("tp", "pp", "cp", "ep"):
+        g.add_argument(f"--{name}", type=int, default=getattr(d.parallel, name))
+    g.add_argument("--vpp", type=int, default=None)
+    g.add_argument("--etp", type=int, default=None)
+
+    g = parser.add_argument_group("moe")
+    g.add_argument("--moe-dispatcher", choices=["alltoall", "flex"], default=d.moe.dispatcher)
+    g.add_argument("--flex-backend", choices=["deepep", "hybridep"], default=None)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=d.moe.aux_loss_coeff)
+
+    g = parser.add_argument_group("memory and speed")
+    g.add_argument("--recompute", choices=["none", "full", "selective"], default=d.recompute.granularity)
+    g.add_argument("--recompute-modules", nargs="+", default=None, help="selective recompute modules")
+    g.add_argument("--recompute-num-layers", type=int, default=d.recompute.num_layers)
+    g.add_argument("--cuda-graph-scope", nargs="*", default=[],
+                   help="e.g. moe_router moe_preprocess (empty: CUDA graphs off)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=d.cuda_graph.warmup_steps)
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--mbs", type=int, default=d.train.mbs, help="micro-batch rows")
+    g.add_argument("--gbs", type=int, default=d.train.gbs, help="global batch rows")
+    g.add_argument("--seq-len", type=int, default=d.train.seq_len)
+    g.add_argument("--train-iters", type=int, default=d.train.train_iters)
+    g.add_argument("--lr", type=float, default=d.train.lr)
+    g.add_argument("--min-lr", type=float, default=d.train.min_lr)
+    g.add_argument("--warmup-iters", type=int, default=d.train.warmup_iters)
+    g.add_argument("--weight-decay", type=float, default=d.train.weight_decay)
+    g.add_argument("--clip-grad", type=float, default=d.train.clip_grad)
+    _bool_flag(g, "--bf16", True, "bf16 mixed precision (--no-bf16: fp32)")
+    g.add_argument("--seed", type=int, default=d.train.seed)
+    g.add_argument("--log-interval", type=int, default=d.train.log_interval)
+    _bool_flag(g, "--padded", False, "stock Megatron-Bridge qwen3_vl_step on padded rows (comparison)")
+    return parser
+
+
+def from_args(args: argparse.Namespace) -> TrainerConfig:
+    """Build the config from parsed arguments (unknown attributes are ignored)."""
+    return TrainerConfig(
+        model=ModelConfig(
+            preset=args.model_preset, num_layers=args.num_layers, num_experts=args.num_experts,
+            vision_depth=args.vision_depth, hf_path=args.hf_path,
+            freeze_language_model=args.freeze_language_model, freeze_vision_model=args.freeze_vision_model,
+            freeze_vision_projection=args.freeze_vision_projection,
+        ),
+        parallel=ParallelConfig(strategy=args.strategy, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp,
+                                ep=args.ep, etp=args.etp),
+        moe=MoEConfig(dispatcher=args.moe_dispatcher, flex_backend=args.flex_backend,
+                      aux_loss_coeff=args.moe_aux_loss_coeff),
+        recompute=RecomputeConfig(granularity=args.recompute,
+                                  modules=list(args.recompute_modules or ["core_attn"]),
+                                  num_layers=args.recompute_num_layers),
+        cuda_graph=CudaGraphConfig(scope=list(args.cuda_graph_scope or []),
+                                   warmup_steps=args.cuda_graph_warmup_steps),
+        train=TrainConfig(mbs=args.mbs, gbs=args.gbs, seq_len=args.seq_len, train_iters=args.train_iters,
+                          lr=args.lr, min_lr=args.min_lr, warmup_iters=args.warmup_iters,
+                          weight_decay=args.weight_decay, clip_grad=args.clip_grad, bf16=args.bf16,
+                          seed=args.seed, log_interval=args.log_interval, padded=args.padded),
+    )
