@@ -109,13 +109,16 @@ class CpuDecoder:
     name = "cpu"
 
     def __init__(self, num_threads: int = 1, max_batch: int = 32):
-        from nvidia.dali import fn, pipeline_def, types
-
         self.num_threads = num_threads
         self.max_batch = max_batch
         cv2.setNumThreads(num_threads)
+        self._lock = threading.Lock()  # a DALI pipeline is fed and run by one thread at a time
+        self._build()
 
-        @pipeline_def(batch_size=max_batch, num_threads=num_threads, device_id=None,
+    def _build(self) -> None:
+        from nvidia.dali import fn, pipeline_def, types
+
+        @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=None,
                       exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
         def decode_pipeline():
             encoded = fn.external_source(name="encoded", dtype=types.UINT8)
@@ -123,12 +126,15 @@ class CpuDecoder:
 
         self._pipe = decode_pipeline()
         self._pipe.build()
-        self._lock = threading.Lock()  # a DALI pipeline is fed and run by one thread at a time
 
     def _dali(self, blobs: list[bytes]) -> list[np.ndarray]:
         with self._lock:
-            self._pipe.feed_input("encoded", [np.frombuffer(b, dtype=np.uint8) for b in blobs])
-            (out,) = self._pipe.run()
+            try:
+                self._pipe.feed_input("encoded", [np.frombuffer(b, dtype=np.uint8) for b in blobs])
+                (out,) = self._pipe.run()
+            except RuntimeError:
+                self._build()  # a DALI pipeline that raised stays broken: start a fresh one
+                raise
             return [np.array(out.at(i)) for i in range(len(blobs))]
 
     def _decode_full(self, jobs: list[DecodeJob]) -> list[np.ndarray | ImageRejected]:
@@ -181,12 +187,18 @@ class GpuDecoder:
 
     def __init__(self, device_id: int = 0, num_threads: int = 4, max_batch: int = 64,
                  hw_decoder_load: float = 0.65):
+        self.max_batch = max_batch
+        self.device_id, self.num_threads, self.hw_decoder_load = device_id, num_threads, hw_decoder_load
+        self._cpu = CpuDecoder(num_threads=num_threads, max_batch=max_batch)
+        self._lock = threading.Lock()
+        self._build()
+
+    def _build(self) -> None:
         from nvidia.dali import fn, pipeline_def, types
 
-        self.max_batch = max_batch
-        self._cpu = CpuDecoder(num_threads=num_threads, max_batch=max_batch)
+        hw_decoder_load = self.hw_decoder_load
 
-        @pipeline_def(batch_size=max_batch, num_threads=num_threads, device_id=device_id,
+        @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=self.device_id,
                       exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
         def decode_pipeline():
             encoded = fn.external_source(name="encoded", dtype=types.UINT8)
@@ -199,14 +211,17 @@ class GpuDecoder:
 
         self._pipe = decode_pipeline()
         self._pipe.build()
-        self._lock = threading.Lock()
 
     def _run(self, jobs: list[DecodeJob]) -> list[np.ndarray]:
         with self._lock:
-            self._pipe.feed_input("encoded", [np.frombuffer(j.data, dtype=np.uint8) for j in jobs])
-            # fn.resize takes "size" in layout order: [H, W] for HWC.
-            self._pipe.feed_input("size", [np.array(j.target_hw, dtype=np.float32) for j in jobs])
-            (out,) = self._pipe.run()
+            try:
+                self._pipe.feed_input("encoded", [np.frombuffer(j.data, dtype=np.uint8) for j in jobs])
+                # fn.resize takes "size" in layout order: [H, W] for HWC.
+                self._pipe.feed_input("size", [np.array(j.target_hw, dtype=np.float32) for j in jobs])
+                (out,) = self._pipe.run()
+            except RuntimeError:
+                self._build()
+                raise
             out = out.as_cpu()
             return [np.array(out.at(i)) for i in range(len(jobs))]
 

@@ -219,7 +219,7 @@ def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
                    f"({a.num_kv_heads}); use TP <= {math.gcd(a.num_attention_heads, a.num_kv_heads)}")
     if a.vision_num_heads % p.tp:
         out.append(f"TP={p.tp} must divide the vision tower's heads ({a.vision_num_heads})")
-    if p.tp > 1 and a.moe_ffn_hidden_size % etp:
+    if etp > 1 and a.moe_ffn_hidden_size % etp:
         out.append(f"ETP={etp} must divide moe_ffn_hidden_size ({a.moe_ffn_hidden_size})")
 
     # --- pipeline ------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
     if moe.dispatcher == "flex":
         if moe.flex_backend not in ("deepep", "hybridep"):
             out.append("--moe-dispatcher flex needs --flex-backend deepep or hybridep")
-        if etp * p.ep <= 1 and p.tp * p.ep <= 1:
+        if etp * p.ep <= 1:
             out.append("the flex dispatcher (DeepEP/HybridEP) needs TP*EP > 1; with one expert-parallel rank "
                        "use --moe-dispatcher alltoall")
     elif moe.dispatcher == "alltoall":
