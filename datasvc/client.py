@@ -101,7 +101,8 @@ class DataClient:
                     break
         except ValueError:
             pass
-        start_feeder(self.cfg, self.run, self.dp_rank, state)
+        # Non-detached actors die with their last handle: this client owns the new feeder.
+        self._owned_feeder = start_feeder(self.cfg, self.run, self.dp_rank, state)
 
     def _await_feeder(self, start: dict) -> None:
         deadline = time.monotonic() + 120

@@ -80,6 +80,7 @@ class _Pool:
         self.actors: list = []
         self.retiring: list = []
         self.in_flight: dict = {}  # ref -> (item_key, item, actor, attempts)
+        self.lock = threading.RLock()  # the producer and the autoscaler both change the pool
         self.replaced = 0
         for _ in range(cfg.min_actors):
             self.grow()
@@ -91,21 +92,24 @@ class _Pool:
         return PreprocessActor.options(**opts).remote(self.cfg)
 
     def grow(self) -> None:
-        self.actors.append(self._new())
+        with self.lock:
+            self.actors.append(self._new())
 
     def shrink(self) -> None:
-        if len(self.actors) > 1:
-            self.retiring.append(self.actors.pop())
+        with self.lock:
+            if len(self.actors) > 1:
+                self.retiring.append(self.actors.pop())
 
     def load(self, actor) -> int:
         return sum(1 for _, _, a, _ in self.in_flight.values() if a is actor)
 
     def submit(self, key, item: WorkItem, attempts: int = 0) -> bool:
-        actor = min(self.actors, key=self.load)
-        if self.load(actor) >= 2:
-            return False
-        self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
-        return True
+        with self.lock:
+            actor = min(self.actors, key=self.load)
+            if self.load(actor) >= 2:
+                return False
+            self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
+            return True
 
     def has_room(self) -> bool:
         return any(self.load(a) < 2 for a in self.actors)
@@ -114,6 +118,10 @@ class _Pool:
         if not self.in_flight:
             return []
         ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
+        with self.lock:
+            return self._collect_ready(ready)
+
+    def _collect_ready(self, ready) -> list[tuple[object, ItemResult]]:
         done = []
         for ref in ready:
             key, item, actor, attempts = self.in_flight.pop(ref)
@@ -121,18 +129,18 @@ class _Pool:
                 done.append((key, ray.get(ref)))
             except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
                 self._replace(actor, exc)
-                self.in_flight[self._resubmit(item)] = (key, item, self._last_target, attempts)
+                self._resubmit(key, item, attempts)
             except RayTaskError as exc:
                 if attempts < 1:
-                    self.in_flight[self._resubmit(item)] = (key, item, self._last_target, attempts + 1)
+                    self._resubmit(key, item, attempts + 1)
                 else:  # a deterministic failure: count every sample of the item, move on
                     done.append((key, _quarantine_item(item, "worker_error", str(exc).splitlines()[-1][:200])))
         self._reap_retired()
         return done
 
-    def _resubmit(self, item):
-        self._last_target = min(self.actors, key=self.load)
-        return self._last_target.process.remote(item)
+    def _resubmit(self, key, item: WorkItem, attempts: int) -> None:
+        actor = min(self.actors, key=self.load)
+        self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
 
     def _replace(self, actor, exc) -> None:
         if actor not in self.actors:
@@ -156,6 +164,7 @@ class _Pool:
     def shutdown(self) -> None:
         for a in self.actors + self.retiring:
             ray.kill(a)
+        self.actors, self.retiring = [], []
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -188,23 +197,30 @@ class Feeder:
         self.row_tokens = 0
         self.batches = 0
         self.consumer_wait_s = 0.0
+        self._waiting: dict = {}  # consumer -> when its pending next_batch call started
         self.producer_blocked_s = 0.0
+        self._blocked_since: float | None = None
         self.decisions: list[dict] = []
         self._stop = False
         self._thread = threading.Thread(target=self._produce, name=f"feeder-{rank}", daemon=True)
         self._thread.start()
+        # Its own thread: the producer cannot notice it is blocked while it is blocked.
+        self._scaler = threading.Thread(target=self._autoscale_loop, name=f"autoscale-{rank}", daemon=True)
+        self._scaler.start()
 
     # ---- consumer side -------------------------------------------------------------------------
     def next_batch(self, consumer: int, step: int) -> list:
         """``[ref, position]`` of micro-batch ``step``, or ``[End]`` after the last one."""
         t0 = time.perf_counter()
         with self.cond:
+            if step not in self.queue:
+                self._waiting[consumer] = t0
             while step not in self.queue and self.end is None:
                 if self.queue and step < next(iter(self.queue)):
                     return [End(error=f"step {step} was already released; restore from a saved state")]
                 self.cond.wait(timeout=0.5)
-            waited = time.perf_counter() - t0
-            self.consumer_wait_s += waited
+            self._waiting.pop(consumer, None)
+            self.consumer_wait_s += time.perf_counter() - t0
             if step not in self.queue:
                 return [self.end]
             ref, pos, nbytes, taken = self.queue[step]
@@ -228,7 +244,7 @@ class Feeder:
                 "actors_replaced": self.pool.replaced,
                 "items_in_flight": len(self.pool.in_flight),
                 "consumer_wait_s": round(self.consumer_wait_s, 3),
-                "producer_blocked_s": round(self.producer_blocked_s, 3),
+                "producer_blocked_s": round(self._blocked_total(), 3),
                 "micro_batches": self.batches,
                 "images": self.images,
                 "megapixels": round(self.megapixels, 3),
@@ -241,6 +257,10 @@ class Feeder:
                 "done": self.end is not None,
                 "error": self.end.error if self.end else "",
             }
+
+    def _blocked_total(self) -> float:
+        since = self._blocked_since
+        return self.producer_blocked_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def actor_handles(self) -> list:
         """The live preprocessing actors (for fault-injection tests and tools)."""
@@ -275,6 +295,7 @@ class Feeder:
         except Exception as exc:  # delivered to every consumer instead of a hang
             log.exception("rank %d: producer failed", self.rank)
             end = End(error=f"{type(exc).__name__}: {exc}", steps=self.start.step + self.batches)
+        self.pool.shutdown()  # the stream is over: give the actors' CPUs back
         with self.cond:
             self.end = end
             self.cond.notify_all()
@@ -286,8 +307,6 @@ class Feeder:
         submitted: set = set()
         step = self.start.step
         epoch_batches: dict[int, int] = {}
-        last_scale = time.monotonic()
-        wait_mark, blocked_mark = self.consumer_wait_s, self.producer_blocked_s
         exhausted = False
         while not self._stop:
             # Keep the pool busy: submit items of the current and following blocks.
@@ -314,11 +333,6 @@ class Feeder:
                 for i in range(len(items)):
                     submitted.discard((e, b, i))
                 step = self._emit_block(e, b, block, step, epoch_batches)
-            if time.monotonic() - last_scale >= self.cfg.autoscale_interval_s:
-                self._autoscale(self.consumer_wait_s - wait_mark, self.producer_blocked_s - blocked_mark,
-                                time.monotonic() - last_scale)
-                last_scale = time.monotonic()
-                wait_mark, blocked_mark = self.consumer_wait_s, self.producer_blocked_s
         for e, n in epoch_batches.items():
             if n == 0:
                 raise DataServiceError(f"rank {self.rank}: epoch {e} produced no micro-batches; every sample "
@@ -344,11 +358,13 @@ class Feeder:
                 continue
             nbytes = batch.nbytes
             t0 = time.perf_counter()
+            self._blocked_since = t0
             with self.cond:
                 while (self.queue and (len(self.queue) >= self.cfg.max_batches_ahead
                                        or self.bytes_ahead + nbytes > self.cfg.max_bytes_ahead)
                        and not self._stop):
                     self.cond.wait(timeout=0.5)
+            self._blocked_since = None
             self.producer_blocked_s += time.perf_counter() - t0
             if self._stop:
                 return step
@@ -371,13 +387,27 @@ class Feeder:
             self.acct.delivered += len(batch.sample_keys)
         return step
 
+    def _autoscale_loop(self) -> None:
+        wait_mark, blocked_mark = self._waited_total(), self._blocked_total()
+        while self.end is None and not self._stop:
+            t0 = time.monotonic()
+            time.sleep(self.cfg.autoscale_interval_s)
+            waited, blocked = self._waited_total(), self._blocked_total()
+            with self.pool.lock:
+                if self.end is None:
+                    self._autoscale(waited - wait_mark, blocked - blocked_mark, time.monotonic() - t0)
+            wait_mark, blocked_mark = waited, blocked
+
+    def _waited_total(self) -> float:
+        return self.consumer_wait_s + sum(time.perf_counter() - t for t in list(self._waiting.values()))
+
     def _autoscale(self, waited: float, blocked: float, interval: float) -> None:
         n = len(self.pool.actors)
         action, reason = None, ""
         if waited > 0.1 * interval and n < self.cfg.max_actors:
             self.pool.grow()
             action, reason = "up", f"consumers waited {waited:.2f}s of {interval:.2f}s for data"
-        elif blocked > 0.5 * interval and waited == 0 and n > self.cfg.min_actors:
+        elif blocked > 0.5 * interval and waited < 0.02 * interval and n > self.cfg.min_actors:
             self.pool.shrink()
             action, reason = "down", f"producer blocked {blocked:.2f}s of {interval:.2f}s on a full queue"
         if action:

@@ -244,8 +244,10 @@ def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
     # --- strategy ------------------------------------------------------------------------------
     if p.strategy == "fsdp":
         if p.pp > 1 or p.vpp is not None:
-            out.append("--strategy fsdp (Megatron-FSDP) shards over data parallel and does not combine with "
-                       "pipeline parallelism here; use --pp 1, or --strategy 3d")
+            # Megatron-Core does not forbid it outright, but no Megatron-Bridge recipe combines
+            # Megatron-FSDP with PP; this trainer keeps pipelining to the 3d strategy.
+            out.append("--strategy fsdp (Megatron-FSDP) is run without pipeline parallelism here; use --pp 1 "
+                       "(and no --vpp), or --strategy 3d for pipelining")
     elif p.strategy != "3d":
         out.append(f"--strategy must be 'fsdp' or '3d' (got {p.strategy!r})")
 
@@ -319,9 +321,7 @@ def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
     if cg.warmup_steps < 1 and cg.scope:
         out.append("--cuda-graph-warmup-steps must be >= 1")
 
-    # --- numerics ------------------------------------------------------------------------------
-    if moe.dispatcher == "flex" and not t.bf16:
-        out.append("the flex dispatcher (DeepEP/HybridEP) moves bf16 tokens; keep --bf16")
+    # --- optimizer -----------------------------------------------------------------------------
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         out.append(f"need 0 <= --min-lr <= --lr and --lr > 0 (got lr={t.lr}, min_lr={t.min_lr})")
     return out

@@ -123,7 +123,7 @@ def build_provider(cfg: TrainerConfig):
     provider.expert_model_parallel_size = p.ep
     provider.expert_tensor_parallel_size = p.etp
     provider.sequence_parallel = p.tp > 1
-    provider.pipeline_dtype = torch.bfloat16 if p.pp > 1 and t.bf16 else (torch.float32 if p.pp > 1 else None)
+    provider.pipeline_dtype = None  # finalize() takes params_dtype (bf16 under bf16_mixed) when PP > 1
 
     provider.seq_length = t.seq_len
     # The provider's defaults freeze both towers (a PEFT-style default); ours train everything unless asked.
