@@ -84,8 +84,12 @@ def resize_uint8(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
     h, w = image.shape[:2]
     if (h, w) == (th, tw):
         return image
-    # Area averaging when shrinking stands in for PIL's antialiased bicubic; cubic when growing.
-    interp = cv2.INTER_AREA if th * tw < h * w else cv2.INTER_CUBIC
+    # Area averaging stands in for PIL's antialiased bicubic when shrinking by more than a quarter;
+    # cubic when growing or shrinking mildly (smart_resize rounding sides to multiples of 32):
+    # there cubic is as close to PIL as area, and OpenCV's area path for non-integer ratios near 1
+    # is ~5x slower (measured: 26 ms vs 4.6 ms for 1936x1291 -> 1920x1280 on one core).
+    mild = min(th / h, tw / w) >= 0.75
+    interp = cv2.INTER_AREA if th * tw < h * w and not mild else cv2.INTER_CUBIC
     return cv2.resize(image, (tw, th), interpolation=interp)
 
 

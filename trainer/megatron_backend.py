@@ -136,6 +136,10 @@ def build_provider(cfg: TrainerConfig):
     # With PP, stages exchange activations of shape [tokens, 1, hidden] for our flat THD stream, not
     # [seq_len, mbs, hidden]; variable_seq_lengths makes the P2P layer send the shape first.
     provider.variable_seq_lengths = p.pp > 1 and not t.padded
+    # Megatron's non-TE linear layers (the output layer) implement gradient-accumulation fusion only
+    # through APEX's fused_weight_gradient_mlp_cuda and refuse to build without it; the provider turns
+    # the fusion on by default, so keep it only where that extension exists.
+    provider.gradient_accumulation_fusion = bool(provider.gradient_accumulation_fusion) and _has_apex_wgrad_fusion()
 
     # MoE token dispatcher.
     provider.moe_aux_loss_coeff = moe.aux_loss_coeff
@@ -170,6 +174,10 @@ def build_provider(cfg: TrainerConfig):
     else:
         provider.cuda_graph_impl = "none"
     return provider
+
+
+def _has_apex_wgrad_fusion() -> bool:
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 class TimedIterator:
@@ -644,6 +652,7 @@ def _run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callba
     nvidia-resiliency-ext at module level, whose registry release (0.4.1) predates what megatron-core
     0.19 needs (>= 0.6, and 0.4.1 breaks its import); where it is missing we run the same steps
     pretrain runs without in-process restart: setup, train, finish."""
+    _skip_dataset_helper_compile()
     try:
         from megatron.bridge.training.pretrain import pretrain
     except ImportError:
@@ -668,3 +677,13 @@ def _run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callba
                      out.valid_data_iterator, out.state, out.checkpoint_manager, out.pg_collection,
                      callback_manager=manager)
     _finish_train(out.state, out.checkpoint_manager)
+
+
+def _skip_dataset_helper_compile() -> None:
+    """Megatron-Bridge's initialisation runs ``make`` in megatron/core/datasets to build the C++ index
+    helpers of Megatron's own datasets, and exits the process when that fails. The megatron-core wheel
+    ships those helpers prebuilt but without the Makefile, so ``make`` always fails there; our data
+    arrives through ``dataloader_type="external"`` and never uses them, so skip the compile."""
+    import megatron.bridge.training.initialize as bridge_init
+
+    bridge_init.compile_helpers = lambda: log.info("dataset index helpers not compiled: external data iterator")

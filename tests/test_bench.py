@@ -1,0 +1,84 @@
+"""``python -m datasvc.bench`` subcommands at tiny sizes: the JSON has its fields and sane numbers.
+No timing targets are asserted here: the benchmark is not a timed test."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(args, tmp_path, timeout=180):
+    env = dict(os.environ, PYTHONPATH=ROOT, VLMFEED_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "datasvc.bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and np.isfinite(x) and x > 0
+
+
+def test_bench_decode_tiny(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = run_bench(["decode", "--images", "4", "--repeats", "1", "--mp-range", "0.1", "0.4",
+                      "--pack-synth", "4", "--pack-copies", "1", "--out", str(out)], tmp_path)
+    rep = json.loads(out.read_text())
+    assert rep["photos"]["count"] == 4 and positive(rep["photos"]["megapixels_total"])
+    expected = {"torchvision_decode_jpeg": "a", "pil_decode": "a", "dali_cpu_decode": "a",
+                "hf_qwen2vl_torchvision": "b", "hf_qwen2vl_pil": "b",
+                "ours_pixel_values": "c", "ours_uint8_patches": "c"}
+    for name, group in expected.items():
+        r = rep["results"][name]
+        assert r["group"] == group
+        assert positive(r["images_per_s"]) and positive(r["mp_per_s"]) and positive(r["seconds"])
+    assert rep["results"][rep["fastest_decode"]]["group"] == "a"
+    assert rep["results"][rep["fastest_hf"]]["group"] == "b"
+    for c in ("ours_pixel_values", "ours_uint8_patches"):
+        assert positive(rep["ratios"][c]["vs_fastest_decode"]) and positive(rep["ratios"][c]["vs_fastest_hf"])
+    assert set(rep["goals"]) >= {"vs_fastest_decode", "vs_fastest_hf", "met_vs_decode", "met_vs_hf"}
+    prof = rep["profile_ours"]
+    assert {"probe", "decode", "resize", "patchify", "normalize"} <= set(prof)
+    assert abs(sum(v["share"] for v in prof.values() if "share" in v) - 1.0) < 0.01
+    assert prof["proposed_fused_normalize"]["max_abs_diff"] < 1e-5
+    for seq_len in ("4096", "8192"):
+        pk = rep["packing"][seq_len]
+        assert 0 < pk["padding_efficiency"] < pk["packing_efficiency"] <= 1
+        assert pk["rows_packed"] <= pk["rows_padded"]
+    assert "ours_pixel_values" in proc.stdout and "packing" in proc.stdout
+
+
+def test_fused_pixel_values_matches(tmp_path):
+    from datasvc.bench import fused_pixel_values
+    from datasvc.vision import VisionSpec, to_pixel_values
+
+    rng = np.random.default_rng(0)
+    patches = rng.integers(0, 256, (37, 768), dtype=np.uint8)
+    for spec in (VisionSpec(), VisionSpec(image_mean=(0.48, 0.45, 0.41), image_std=(0.27, 0.26, 0.28))):
+        assert np.abs(fused_pixel_values(patches, spec) - to_pixel_values(patches, spec)).max() < 1e-5
+
+
+def test_bench_service_tiny(tmp_path, ray_local, monkeypatch, capsys):
+    # In this process, on the session's local Ray (2 CPUs), through the command-line entry point.
+    from datasvc.bench import main
+
+    monkeypatch.setenv("VLMFEED_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "service.json"
+    assert main(["service", "--max-actors", "1", "--samples", "8", "--samples-per-item", "4",
+                 "--seq-len", "512", "--max-pixels", str(256 * 256), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    ip = rep["in_process"]
+    assert ip["samples"] > 0 and positive(ip["samples_per_s"]) and positive(ip["images_per_s"]) and positive(ip["mp_per_s"])
+    r1 = rep["ray"]["1"]
+    assert r1["samples"] == 2 * ip["samples"]  # 2 epochs of the same shards, every sample once per epoch
+    for k in ("samples_per_s", "images_per_s", "mp_per_s", "steady_samples_per_s", "scaling_efficiency"):
+        assert positive(r1[k]), k
+    assert positive(rep["ray_vs_in_process_1_actor"]) and rep["goal_ray_vs_in_process"] == 0.9
+    assert r1["micro_batches"] > 1
+    acct = r1["accounting"]
+    assert acct["read"] == acct["delivered"] + sum(acct["quarantined"].values()) + sum(acct["skipped_by_rule"].values())
+    assert "in-process" in stdout and "ray 1 actor" in stdout

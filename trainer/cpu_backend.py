@@ -1,0 +1,184 @@
+"""CPU development path: a real (tiny) Qwen3-VL MoE from transformers, trained with DDP on gloo.
+
+It exists so the whole job (placement group, trainer actors, per-DP-rank data streams, metrics)
+runs and is tested without GPUs. It consumes the same packed micro-batches as the Megatron
+backend; packed rows are split back into their samples (each runs as its own sequence, so
+attention and MRoPE restart per sample exactly as THD packing does on the GPU).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+log = logging.getLogger("vlmfeed.trainer.cpu")
+
+IMAGE_PAD = 151655
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuModelConfig:
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 128
+    vision_depth: int = 2
+    vision_hidden: int = 128
+    vision_heads: int = 4
+    vocab_size: int = 151936
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    half = head_dim // 2
+    t = half - 2 * (half * 5 // 16)
+    return [t, half * 5 // 16, half * 5 // 16]
+
+
+def build_model(cfg: CpuModelConfig, seed: int):
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.hidden_size * 2,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden_size // cfg.num_heads,
+                         moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.num_experts,
+                         num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, decoder_sparse_step=1,
+                         # mrope sections split head_dim/2 over (t, h, w) like Qwen3-VL's [24, 20, 20] of 64
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                          "mrope_section": _mrope_section(cfg.hidden_size // cfg.num_heads),
+                                          "mrope_interleaved": True},
+                         tie_word_embeddings=True),
+        vision_config=dict(depth=cfg.vision_depth, hidden_size=cfg.vision_hidden, intermediate_size=cfg.vision_hidden * 2,
+                           num_heads=cfg.vision_heads, out_hidden_size=cfg.hidden_size, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE_PAD, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    )
+    config._attn_implementation = "sdpa"
+    return Qwen3VLMoeForConditionalGeneration(config)
+
+
+def split_samples(batch: dict) -> list[dict]:
+    """Packed rows -> one dict per sample with its own tokens, labels and image patches."""
+    grids = batch["image_grid_thw"]
+    patch_counts = (grids.prod(dim=1)).tolist() if len(grids) else []
+    image_i, patch_off = 0, 0
+    samples = []
+    for r in range(batch["tokens"].shape[0]):
+        cu = batch["cu_seqlens"][r]
+        for j in range(int(batch["num_samples"][r])):
+            s, e = int(cu[j]), int(cu[j + 1])
+            ids = batch["tokens"][r, s:e]
+            n_img = int(((ids[1:] == IMAGE_PAD) & (ids[:-1] != IMAGE_PAD)).sum() + int(ids[0] == IMAGE_PAD))
+            n_patch = sum(patch_counts[image_i:image_i + n_img])
+            samples.append({
+                "input_ids": ids,
+                "labels": batch["labels"][r, s:e],
+                "pixel_values": batch["pixel_values"][patch_off:patch_off + n_patch],
+                "image_grid_thw": grids[image_i:image_i + n_img],
+            })
+            image_i += n_img
+            patch_off += n_patch
+    return samples
+
+
+def sample_loss(model, sample: dict) -> tuple[torch.Tensor, int]:
+    """Summed token loss (labels are already shifted) and the number of supervised tokens."""
+    ids = sample["input_ids"].unsqueeze(0)
+    kwargs = {}
+    if len(sample["image_grid_thw"]):
+        kwargs = dict(pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
+                      mm_token_type_ids=(ids == IMAGE_PAD).long())
+    labels = sample["labels"]
+    keep = torch.nonzero(labels != -100).flatten()
+    # Project only supervised positions onto the 152k vocabulary: most of a VLM row is image pads.
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=keep, **kwargs).logits[0]
+    return F.cross_entropy(logits.float(), labels[keep], reduction="sum"), int(keep.numel())
+
+
+def all_reduce_grads(model) -> None:
+    """Sum gradients over ranks in one flat buffer.
+
+    Not DDP: ranks run different numbers of forward passes (one per packed sample), which DDP's
+    per-forward collectives cannot match.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+
+
+def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metrics_path: str | None,
+          rank: int, world: int, model_cfg: CpuModelConfig = CpuModelConfig()) -> list[dict]:
+    if rank == 0:
+        log.warning("CPU development path: tiny transformers Qwen3-VL MoE on gloo; not a performance run")
+    model = build_model(model_cfg, seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    records = []
+    sink = open(metrics_path, "a") if (metrics_path and rank == 0) else None
+    for step in range(steps):
+        t0 = time.perf_counter()
+        wait0 = data_iter.wait_s
+        loss_sum, n_tok, real, total = torch.zeros(()), 0, 0, 0
+        opt.zero_grad(set_to_none=True)
+        micro = []
+        for _ in range(grad_accum):
+            batch = next(data_iter)
+            micro.append(batch)
+            real += int(batch["cu_seqlens"][torch.arange(len(batch["num_samples"])), batch["num_samples"].long()].sum())
+            total += batch["tokens"].numel()
+        # Normalize by supervised tokens across the whole global batch, as Megatron's per-token loss does.
+        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
+        global_tokens = torch.tensor([local_tokens], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(global_tokens)
+        for batch in micro:
+            for sample in split_samples(batch):
+                loss, n = sample_loss(model, sample)
+                (loss / global_tokens.item()).backward()
+                loss_sum += loss.detach()
+                n_tok += n
+        if world > 1:
+            all_reduce_grads(model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        stats = torch.tensor([float(loss_sum), n_tok, real, total], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(stats)
+        dt = time.perf_counter() - t0
+        waited = data_iter.wait_s - wait0
+        rec = {
+            "step": step + 1, "backend": "cpu", "loss": float(stats[0] / max(stats[1], 1)),
+            "step_time_s": round(dt, 4), "data_wait_s": round(waited, 4), "data_wait_share": round(waited / dt, 4),
+            "tokens_per_s": round(float(stats[2]) / dt, 1), "real_token_fraction": round(float(stats[2] / stats[3]), 4),
+            # 6 * params * tokens: a rough count for a dense model of this size (CPU path only)
+            "tflops_per_gpu_estimate": round(6 * n_params * float(stats[2]) / world / dt / 1e12, 6),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        }
+        records.append(rec)
+        if rank == 0:
+            log.info("step %(step)d loss %(loss).4f step %(step_time_s).2fs wait %(data_wait_share).1f%% "
+                     "tok/s %(tokens_per_s).0f real %(real_token_fraction).2f" % {**rec, "data_wait_share": 100 * rec["data_wait_share"]})
+            if sink:
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+    if sink:
+        sink.close()
+    return records
