@@ -166,6 +166,28 @@ def test_3d_container(mb, monkeypatch):
 
 
 @needs_bridge
+def test_wgrad_fusion_needs_apex(mb, monkeypatch):
+    # Bridge turns gradient-accumulation fusion on whenever Transformer Engine imports, but the
+    # Qwen3-VL output layer (a plain ColumnParallelLinear) then refuses to build without APEX's
+    # fused_weight_gradient_mlp_cuda: the model build failed that way on the H200.
+    monkeypatch.setattr(mb, "_has_apex_wgrad_fusion", lambda: False)
+    assert mb.build_provider(proxy()).gradient_accumulation_fusion is False
+    monkeypatch.setattr(mb, "_has_apex_wgrad_fusion", lambda: True)
+    assert mb.build_provider(proxy()).gradient_accumulation_fusion is True
+
+
+@needs_bridge
+def test_dataset_helper_compile_is_skipped(mb, monkeypatch):
+    # The megatron-core wheel ships the helpers prebuilt without their Makefile, so Bridge's
+    # compile_helpers() (make, then sys.exit(1) on failure) ended the training process on the H200.
+    import megatron.bridge.training.initialize as bridge_init
+
+    monkeypatch.setattr(bridge_init, "compile_helpers", bridge_init.compile_helpers)
+    mb._skip_dataset_helper_compile()
+    bridge_init.compile_helpers()  # no make, no exit
+
+
+@needs_bridge
 def test_knobs_reach_the_provider(mb, monkeypatch):
     cfg = proxy(
         model=ModelConfig(num_layers=4, freeze_vision_model=True),
