@@ -714,7 +714,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--samples-per-item", type=int, default=8)
     s.add_argument("--epochs", type=int, default=2, help="epochs streamed per actor count (steady state)")
     s.add_argument("--out", default="bench-service.json")
+    k = sub.add_parser("soak", help="stream good and hostile shards for N minutes while killing actors")
+    k.add_argument("--minutes", type=float, default=10.0)
+    k.add_argument("--kill-every", type=float, default=20.0, help="seconds between injected faults")
+    k.add_argument("--out", default="bench-soak.json")
     args = ap.parse_args(argv)
+
+    if args.cmd == "soak":
+        from datasvc.soak import soak
+
+        rep = soak(args.minutes, out=args.out, kill_every_s=args.kill_every)
+        return 0 if rep["samples_lost"] == 0 and rep["samples_duplicated"] == 0 else 1
 
     if args.cmd == "decode":
         rep = bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,

@@ -59,6 +59,11 @@ class DataClient:
         self.delivered += 1
         return batch
 
+    @property
+    def last_position(self) -> dict | None:
+        """Position (epoch, block, batch, step) of the micro-batch last returned."""
+        return self._last_pos
+
     def close(self) -> None:
         self._halt.set()
         if self._thread is not None:

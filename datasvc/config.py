@@ -16,6 +16,8 @@ class ServiceConfig:
     """Passed to the pipeline's ``build`` (e.g. max_pixels, tokenizer)."""
     seq_len: int = 4096
     micro_batch_size: int = 1
+    pack: bool = True
+    """Several samples per row; False pads one sample per row (for comparison with stock loaders)."""
     dp_size: int = 1
     consumers_per_replica: int = 1
     """Ranks of one data-parallel replica (TP x PP x CP): each receives every micro-batch."""
@@ -67,7 +69,7 @@ class ServiceConfig:
 
     def fingerprint(self) -> str:
         """What must match for a saved loader state to be restored exactly."""
-        keys = ("shards", "pipeline", "pipeline_options", "seq_len", "micro_batch_size", "dp_size",
+        keys = ("shards", "pipeline", "pipeline_options", "seq_len", "micro_batch_size", "pack", "dp_size",
                 "seed", "samples_per_item", "items_per_block")
         d = asdict(self)
         blob = json.dumps({k: d[k] for k in keys}, sort_keys=True, default=str)

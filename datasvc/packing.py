@@ -18,6 +18,8 @@ class PackingConfig:
     seq_len: int = 4096
     micro_batch_size: int = 1
     pad_id: int = 0
+    pack: bool = True
+    """False: one sample per row, padded (the stock loaders' layout, kept for comparison)."""
 
     def __post_init__(self):
         if self.seq_len < 16:
@@ -95,7 +97,10 @@ def pack(samples: list[EncodedSample], cfg: PackingConfig, patch_dim: int
     too_long = [s for s in samples if s.num_tokens > cfg.seq_len]
     if not fits:
         return [], too_long
-    rows = plan_rows([s.num_tokens for s in fits], cfg.seq_len)
+    if cfg.pack:
+        rows = plan_rows([s.num_tokens for s in fits], cfg.seq_len)
+    else:
+        rows = [[i] for i in range(len(fits))]
     row_patches = [sum(fits[i].num_patches for i in row) for row in rows]
     batches = []
     for mb in plan_micro_batches(row_patches, cfg.micro_batch_size):

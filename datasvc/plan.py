@@ -51,7 +51,8 @@ class EpochPlan:
                    pad_id: int, patch_dim: int) -> tuple[list[PackedBatch], list[EncodedSample]]:
         rng = np.random.default_rng([self.cfg.seed, epoch, rank, block, 1])
         shuffled = [samples[i] for i in rng.permutation(len(samples))]
-        cfg = PackingConfig(seq_len=self.cfg.seq_len, micro_batch_size=self.cfg.micro_batch_size, pad_id=pad_id)
+        cfg = PackingConfig(seq_len=self.cfg.seq_len, micro_batch_size=self.cfg.micro_batch_size, pad_id=pad_id,
+                            pack=self.cfg.pack)
         batches, too_long = pack(shuffled, cfg, patch_dim)
         # Packing groups rows by length; shuffle the micro-batches so steps do not trend.
         return [batches[i] for i in rng.permutation(len(batches))], too_long

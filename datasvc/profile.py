@@ -786,24 +786,32 @@ def image_cost_table(cost: dict) -> str:
 def synth_claim(cmp: dict, synthetic: str = "synthetic", mock: str = "mock",
                 throughput_tol: float = 0.15, vision_tol: float = 0.10) -> dict:
     """The calibration claim: synthetic within +-15% decode+preprocess throughput per megapixel
-    and +-10% vision tokens per sample of the reference; how far mock is off."""
+    and +-10% vision tokens per sample of the reference; and how far mock is off.
+
+    Judged on CPU time, which other load on the machine barely moves: the in-process
+    decode+preprocess cost (``image_cost``) and the actors' CPU seconds per megapixel in the
+    service runs. Vision tokens per sample are exact counts over the whole shards. The service's
+    wall-clock stage timers and its windowed per-sample counts are reported too, for information:
+    on a shared machine they move by tens of percent between rounds.
+    """
     rows = cmp["rows"]
-    out = {"throughput_tol": throughput_tol, "vision_tol": vision_tol}
-    cost = cmp.get("image_cost")
+    out: dict = {"throughput_tol": throughput_tol, "vision_tol": vision_tol}
+    cost = cmp.get("image_cost") or {}
     if synthetic in cmp["reports"]:
-        tr = rows["dec+prep MP/s"]["ratio"][synthetic]
-        vr = rows["vision tokens/sample"]["ratio"][synthetic]
-        out["service_decode_preprocess_ratio"] = tr
-        out["service_vision_tokens_ratio"] = vr
-        out["service_within_tolerance"] = bool(tr is not None and vr is not None
-                                               and abs(tr - 1) <= throughput_tol and abs(vr - 1) <= vision_tol)
-        if cost and synthetic in cost:
-            ctr = cost[synthetic]["ratio"]["megapixels_per_cpu_s"]
-            cvr = cost[synthetic]["ratio"]["vision_tokens_per_sample"]
-            out["cpu_decode_preprocess_ratio"] = ctr
-            out["cpu_vision_tokens_ratio"] = cvr
-            out["cpu_within_tolerance"] = bool(ctr is not None and cvr is not None and abs(ctr - 1) <= throughput_tol
-                                               and abs(cvr - 1) <= vision_tol)
+        checks = []
+        if synthetic in cost:
+            vr = cost[synthetic]["ratio"]["vision_tokens_per_sample"]
+            cr = cost[synthetic]["ratio"]["megapixels_per_cpu_s"]
+            out["vision_tokens_per_sample_ratio"] = vr
+            out["decode_preprocess_cpu_ratio"] = cr
+            checks += [vr is not None and abs(vr - 1) <= vision_tol, cr is not None and abs(cr - 1) <= throughput_tol]
+        ac = rows["actor CPU ms/MP"]["ratio"].get(synthetic)
+        if ac:
+            out["service_actor_cpu_throughput_ratio"] = 1.0 / ac  # MP per actor CPU-second
+            checks.append(abs(1.0 / ac - 1) <= throughput_tol)
+        out["service_wall_decode_preprocess_ratio"] = rows["dec+prep MP/s"]["ratio"][synthetic]
+        out["service_window_vision_tokens_ratio"] = rows["vision tokens/sample"]["ratio"][synthetic]
+        out["synthetic_within_tolerance"] = bool(checks) and all(checks)
     if mock in cmp["reports"]:
         for label, row in rows.items():
             if label.startswith(("samples/s", "micro-batches/s")):

@@ -333,6 +333,8 @@ class Feeder:
                 for i in range(len(items)):
                     submitted.discard((e, b, i))
                 step = self._emit_block(e, b, block, step, epoch_batches)
+        if self._stop:  # shut down mid-stream: an epoch cut short is not an all-rejected epoch
+            return
         for e, n in epoch_batches.items():
             if n == 0:
                 raise DataServiceError(f"rank {self.rank}: epoch {e} produced no micro-batches; every sample "

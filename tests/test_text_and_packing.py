@@ -86,3 +86,10 @@ def test_best_fit_rows_never_overflow():
 def test_bad_packing_config_fails_fast():
     with pytest.raises(ValueError, match="seq_len"):
         PackingConfig(seq_len=4, micro_batch_size=1)
+
+
+def test_padded_layout_puts_one_sample_per_row():
+    samples = [_sample(100 + i, 0, f"k{i}") for i in range(10)]
+    batches, _ = pack(samples, PackingConfig(seq_len=512, micro_batch_size=4, pad_id=0, pack=False), 768)
+    assert all(int(n) <= 1 for b in batches for n in b.num_samples)
+    assert sum(len(b.sample_keys) for b in batches) == 10

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -73,11 +74,15 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
                     "--num-cpus=6", f"--temp-dir={temp}"], check=True, env=env, timeout=180)
     out = tmp_path / "run"
     try:
-        job = subprocess.run(
-            [ray_bin, "job", "submit", f"--address=http://127.0.0.1:{dash}", f"--working-dir={REPO}", "--",
-             "python", "-m", "trainer.run", "qwen3vl", "--train-iters", "12", "--seq-len", "512",
-             "--out", str(out), "--shards", *photo_shards],
-            env=env, capture_output=True, text=True, timeout=900)
+        for _attempt in range(12):  # the job agent comes up a little after `ray start` returns
+            job = subprocess.run(
+                [ray_bin, "job", "submit", f"--address=http://127.0.0.1:{dash}", f"--working-dir={REPO}", "--",
+                 "python", "-m", "trainer.run", "qwen3vl", "--train-iters", "12", "--seq-len", "512",
+                 "--out", str(out), "--shards", *photo_shards],
+                env=env, capture_output=True, text=True, timeout=900)
+            if "No available agent" not in job.stderr + job.stdout:
+                break
+            time.sleep(5)
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120)
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         pipe_opts["min_pixels"] = args.min_pixels or min(65536, pipe_opts["max_pixels"])
     data_cfg = ServiceConfig(shards=shards, pipeline=args.pipeline, pipeline_options=pipe_opts,
                              seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=dp,
+                             pack=not cfg.train.padded,
                              consumers_per_replica=layout0.model_parallel, epochs=None, seed=args.data_seed,
                              decode=args.decode, decode_threads=args.decode_threads,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1])
@@ -168,20 +169,32 @@ def rank_main(backend, cfg, data_cfg, run, layout, metrics_path):
 
 
 def summarize(records: list[dict], data_stats: dict, backend: str, world: int, wall_s: float) -> dict:
-    losses = [r["loss"] for r in records]
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
     k = max(1, len(losses) // 5)
-    steady = records[min(2, len(records) - 1):] if records else []
-    mean = lambda key: (sum(r.get(key, 0) or 0 for r in steady) / len(steady)) if steady else 0.0
+    # Steady state: drop the first fifth (at least 2 steps) of compile / warm-up steps.
+    steady = records[max(2, len(records) // 5):] or records
+
+    def mean(*keys):
+        vals = [next((r[k] for k in keys if r.get(k) is not None), None) for r in steady]
+        vals = [v for v in vals if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def rnd(x, n=4):
+        return None if x is None else round(x, n)
+
     return {
         "backend": backend, "world_size": world, "steps": len(records), "wall_s": round(wall_s, 1),
+        "steady_steps": len(steady),
         "loss_first": sum(losses[:k]) / k if losses else None,
         "loss_last": sum(losses[-k:]) / k if losses else None,
         "loss_fell": bool(losses) and sum(losses[-k:]) / k < sum(losses[:k]) / k,
         "loss_finite": bool(losses) and all(math.isfinite(x) for x in losses),
-        "step_time_s": round(mean("step_time_s"), 4),
-        "data_wait_share": round(mean("data_wait_share"), 4),
-        "tokens_per_s": round(mean("tokens_per_s"), 1),
-        "real_token_fraction": round(mean("real_token_fraction"), 4),
+        "step_time_s": rnd(mean("step_time_s")),
+        "data_wait_share": rnd(mean("data_wait_share", "data_wait_frac")),
+        "tokens_per_s": rnd(mean("tokens_per_s"), 1),
+        "real_token_fraction": rnd(mean("real_token_fraction")),
+        "tflops_per_gpu": rnd(mean("tflops_per_gpu", "tflops_per_gpu_estimate"), 3),
+        "peak_mem_gib": rnd(max((r.get("peak_mem_gib") or 0 for r in records), default=None), 2),
         "data_accounting": data_stats.get("accounting", {}),
         "autoscale_decisions": [d for r in data_stats.get("ranks", []) for d in r.get("autoscale_decisions", [])],
         "data": data_stats,
