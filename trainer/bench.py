@@ -32,6 +32,58 @@ GROUPS = {
 }
 
 
+def gpu_decode_check(out: str, n_images: int = 128, batch: int = 64) -> dict:
+    """DALI GPU decode+resize vs DALI CPU (all host cores) vs torchvision nvJPEG, same JPEGs."""
+    import numpy as np
+    import torch
+    import torchvision
+
+    from datasvc.bench import photo_set
+    from datasvc.decode import CpuDecoder, DecodeJob, GpuDecoder, probe
+    from datasvc.vision import VisionSpec
+
+    spec = VisionSpec(max_pixels=16777216)
+    photos = photo_set(n_images, min_mp=1.0, max_mp=2.0)
+    blobs = [p.data for p in photos]
+    jobs = []
+    for b in blobs:
+        h = probe(b, spec.max_decode_pixels)
+        jobs.append(DecodeJob(b, h, spec.target_size(h.height, h.width)))
+    mp = sum(j.header.pixels for j in jobs) / 1e6
+    res = {"images": len(jobs), "megapixels": round(mp, 1)}
+
+    def timed(name, fn, repeats=3):
+        fn()  # warm-up (pipeline build, cuda context, nvjpeg handles)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            out = fn()
+        dt = (time.perf_counter() - t0) / repeats
+        res[name] = {"img_s": round(len(jobs) / dt, 1), "mp_s": round(mp / dt, 1)}
+        return out
+
+    gpu = GpuDecoder(device_id=0, num_threads=4, max_batch=batch)
+    cpu = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch)
+    g = timed("dali_gpu_decode_resize", lambda: gpu.decode(jobs))
+    c = timed("dali_cpu_decode_resize", lambda: cpu.decode(jobs), repeats=1)
+    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+
+    def tv():
+        outs = []
+        for i in range(0, len(data), batch):
+            outs += torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
+        torch.cuda.synchronize()
+        return outs
+    timed("torchvision_nvjpeg_decode", tv)
+    mads = [float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() / 127.5) for a, b in zip(g, c)
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)]
+    res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5)
+    res["gpu_vs_torchvision"] = round(res["dali_gpu_decode_resize"]["img_s"] / res["torchvision_nvjpeg_decode"]["img_s"], 3)
+    print("[bench] gpu decode:", json.dumps(res), flush=True)
+    with open(os.path.join(out, "gpu_decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def prepare_sources(root: str) -> dict[str, list[str]]:
     from datasvc.samples import default_shards
     from datasvc.shards import index_shard
@@ -76,8 +128,14 @@ def main(argv=None) -> int:
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     ap.add_argument("--case-timeout", type=int, default=200)
+    ap.add_argument("--gpu-decode", action="store_true", help="also compare DALI GPU decode (needs DALI + CUDA)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.gpu_decode:
+        try:
+            gpu_decode_check(args.out)
+        except Exception as exc:  # report and go on to the training cases
+            print(f"[bench] gpu decode check failed: {type(exc).__name__}: {exc}", flush=True)
     sources = prepare_sources(os.path.join(args.out, "shards"))
     address = "127.0.0.1:6390"
     subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390",
