@@ -139,7 +139,7 @@ class CpuDecoder:
             except RuntimeError:
                 self._build()  # a DALI pipeline that raised stays broken: start a fresh one
                 raise
-            return [np.array(out.at(i)) for i in range(len(blobs))]
+            return [np.asarray(out.at(i)) for i in range(len(blobs))]  # at() already copies
 
     def _decode_full(self, jobs: list[DecodeJob]) -> list[np.ndarray | ImageRejected]:
         results: list[np.ndarray | ImageRejected | None] = [None] * len(jobs)
@@ -227,7 +227,7 @@ class GpuDecoder:
                 self._build()
                 raise
             out = out.as_cpu()
-            return [np.array(out.at(i)) for i in range(len(jobs))]
+            return [np.asarray(out.at(i)) for i in range(len(jobs))]
 
     def decode(self, jobs: list[DecodeJob]) -> list[np.ndarray | ImageRejected]:
         results: list[np.ndarray | ImageRejected | None] = [None] * len(jobs)
