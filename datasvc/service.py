@@ -391,7 +391,16 @@ class Feeder:
 
     def _autoscale_loop(self) -> None:
         wait_mark, blocked_mark = self._waited_total(), self._blocked_total()
+        last_log = time.monotonic()
         while self.end is None and not self._stop:
+            if time.monotonic() - last_log >= 30:
+                last_log = time.monotonic()
+                a = self.acct
+                log.info("rank %d: %d micro-batches, read %d delivered %d quarantined %d, queue %d, actors %d, "
+                         "consumer wait %.1fs, producer blocked %.1fs, stages %s", self.rank, self.batches, a.read,
+                         a.delivered, a.n_quarantined, len(self.queue), len(self.pool.actors),
+                         self._waited_total(), self._blocked_total(),
+                         {k: v["seconds"] for k, v in self.times.as_dict().items()})
             t0 = time.monotonic()
             time.sleep(self.cfg.autoscale_interval_s)
             waited, blocked = self._waited_total(), self._blocked_total()

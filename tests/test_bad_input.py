@@ -30,6 +30,20 @@ def png_bomb_header(w: int, h: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b"")
 
 
+def jpeg_declaring(jpeg: bytes, width: int, height: int) -> bytes:
+    """A real JPEG whose frame header (SOF0/SOF2) claims another size (JPEG's limit is 65535)."""
+    data = bytearray(jpeg)
+    i = 2
+    while i < len(data):
+        marker, length = data[i + 1], int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in (0xC0, 0xC2):
+            data[i + 5:i + 7] = height.to_bytes(2, "big")
+            data[i + 7:i + 9] = width.to_bytes(2, "big")
+            return bytes(data)
+        i += 2 + length
+    raise AssertionError("no SOF marker")
+
+
 class Exploit:
     """Unpickling this would create a file: proves pickle members are never loaded."""
 
@@ -58,6 +72,7 @@ def hostile_shard(tmp_path):
         ("latin1.jpg", photo), ("latin1.txt", "caf\xe9".encode("latin-1")),
         ("wide.png", encode_image(np.zeros((4, 1000, 3), np.uint8), "png")), ("wide.txt", b"too wide"),
         ("bomb.png", png_bomb_header(100000, 100000)), ("bomb.txt", b"png bomb"),
+        ("hugejpeg.jpg", jpeg_declaring(photo, 65535, 65535)), ("hugejpeg.txt", b"SOF says 65535 x 65535"),
         ("pickled.jpg", photo), ("pickled.txt", b"has a pickle"), ("pickled.pyd", pickle.dumps(Exploit(canary))),
         ("pickled.pickle", pickle.dumps(Exploit(canary))),
         ("../escape.jpg", photo), ("../escape.txt", b"path traversal"),
@@ -90,7 +105,7 @@ EXPECTED = {
     "latin1": "text_not_utf8", "wide": "aspect_ratio", "bomb": "too_many_pixels",
     "../escape": "unsafe_member_name", "/abs/olute": "unsafe_member_name",
     "convo": "image_count_mismatch", "badjson": "bad_json", "huge": "text_too_long",
-    "many": "too_many_images",
+    "many": "too_many_images", "hugejpeg": "too_many_pixels",
 }
 
 
