@@ -72,18 +72,31 @@ def _quarantine_item(item: WorkItem, reason: str, detail: str) -> ItemResult:
 
 
 class _Pool:
-    """Preprocessing actors of one feeder; replaces the dead, resubmits their items."""
+    """Preprocessing actors of one feeder; replaces the dead, resubmits their items.
+
+    A new actor gets work only once it has started: one that the cluster cannot place (no free
+    CPUs) would otherwise hold its items forever. Items with no started actor wait in a backlog.
+    """
+
+    PENDING_WARN_S = 60.0
 
     def __init__(self, cfg: ServiceConfig, rank: int):
         self.cfg = cfg
         self.rank = rank
-        self.actors: list = []
+        self.actors: list = []  # started, assignable
+        self.starting: dict = {}  # ready ref -> (actor, when asked for)
         self.retiring: list = []
+        self.backlog: list = []  # (key, item, attempts) waiting for a started actor
         self.in_flight: dict = {}  # ref -> (item_key, item, actor, attempts)
         self.lock = threading.RLock()  # the producer and the autoscaler both change the pool
         self.replaced = 0
+        self._warned: set = set()
         for _ in range(cfg.min_actors):
             self.grow()
+
+    @property
+    def size(self) -> int:
+        return len(self.actors) + len(self.starting)
 
     def _new(self):
         opts = {"num_cpus": self.cfg.decode_threads}
@@ -93,29 +106,64 @@ class _Pool:
 
     def grow(self) -> None:
         with self.lock:
-            self.actors.append(self._new())
+            actor = self._new()
+            self.starting[actor.pid.remote()] = (actor, time.monotonic())
 
     def shrink(self) -> None:
         with self.lock:
-            if len(self.actors) > 1:
+            if self.starting:  # never started: nothing to drain
+                ref = next(iter(self.starting))
+                ray.kill(self.starting.pop(ref)[0])
+            elif len(self.actors) > 1:
                 self.retiring.append(self.actors.pop())
+
+    def _promote(self) -> None:
+        if not self.starting:
+            return
+        ready, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
+        for ref in ready:
+            actor, _ = self.starting.pop(ref)
+            try:
+                ray.get(ref)
+                self.actors.append(actor)
+            except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
+                log.warning("rank %d: preprocessing actor failed to start (%s); starting another",
+                            self.rank, type(exc).__name__)
+                self.grow()
+        for ref, (_, since) in self.starting.items():
+            if time.monotonic() - since > self.PENDING_WARN_S and ref not in self._warned:
+                self._warned.add(ref)
+                log.warning("rank %d: a preprocessing actor has waited %.0fs to be placed: the cluster has "
+                            "no free CPUs for it (needs %d); lower max_actors or add CPUs", self.rank,
+                            time.monotonic() - since, self.cfg.decode_threads)
 
     def load(self, actor) -> int:
         return sum(1 for _, _, a, _ in self.in_flight.values() if a is actor)
 
+    def _free_actor(self):
+        candidates = [a for a in self.actors if self.load(a) < 2]
+        return min(candidates, key=self.load) if candidates else None
+
     def submit(self, key, item: WorkItem, attempts: int = 0) -> bool:
         with self.lock:
-            actor = min(self.actors, key=self.load)
-            if self.load(actor) >= 2:
+            self._promote()
+            actor = self._free_actor()
+            if actor is None:
                 return False
             self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
             return True
 
     def has_room(self) -> bool:
-        return any(self.load(a) < 2 for a in self.actors)
+        with self.lock:
+            self._promote()
+            return not self.backlog and self._free_actor() is not None
 
     def collect(self, timeout: float) -> list[tuple[object, ItemResult]]:
+        with self.lock:
+            self._promote()
+            self._drain_backlog()
         if not self.in_flight:
+            time.sleep(min(timeout, 0.05))  # waiting for an actor to start
             return []
         ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
         with self.lock:
@@ -129,30 +177,32 @@ class _Pool:
                 done.append((key, ray.get(ref)))
             except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
                 self._replace(actor, exc)
-                self._resubmit(key, item, attempts)
+                self.backlog.append((key, item, attempts))
             except RayTaskError as exc:
                 if attempts < 1:
-                    self._resubmit(key, item, attempts + 1)
+                    self.backlog.append((key, item, attempts + 1))
                 else:  # a deterministic failure: count every sample of the item, move on
                     done.append((key, _quarantine_item(item, "worker_error", str(exc).splitlines()[-1][:200])))
+        self._drain_backlog()
         self._reap_retired()
         return done
 
-    def _resubmit(self, key, item: WorkItem, attempts: int) -> None:
-        actor = min(self.actors, key=self.load)
-        self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
+    def _drain_backlog(self) -> None:
+        while self.backlog:
+            actor = self._free_actor()
+            if actor is None:
+                return
+            key, item, attempts = self.backlog.pop(0)
+            self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
 
     def _replace(self, actor, exc) -> None:
         if actor not in self.actors:
-            return
+            return  # already replaced while collecting an earlier item of the same actor
         self.replaced += 1
         log.warning("rank %d: preprocessing actor died (%s); replacing it and redoing its items",
                     self.rank, type(exc).__name__)
-        for i, a in enumerate(self.actors):
-            if a is actor:
-                self.actors[i] = self._new()
-                break
-        # Not found: already replaced while collecting an earlier item of the same actor.
+        self.actors.remove(actor)
+        self.grow()
         # Items that were queued on the dead actor fail too and come back through collect().
 
     def _reap_retired(self) -> None:
@@ -162,9 +212,9 @@ class _Pool:
                 self.retiring.remove(a)
 
     def shutdown(self) -> None:
-        for a in self.actors + self.retiring:
+        for a in self.actors + self.retiring + [a for a, _ in self.starting.values()]:
             ray.kill(a)
-        self.actors, self.retiring = [], []
+        self.actors, self.retiring, self.starting = [], [], {}
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -240,7 +290,8 @@ class Feeder:
                 "stages": self.times.as_dict(),
                 "queue_depth": len(self.queue),
                 "bytes_ahead": self.bytes_ahead,
-                "actors": len(self.pool.actors),
+                "actors": self.pool.size,
+                "actors_starting": len(self.pool.starting),
                 "actors_replaced": self.pool.replaced,
                 "items_in_flight": len(self.pool.in_flight),
                 "consumer_wait_s": round(self.consumer_wait_s, 3),
@@ -321,8 +372,7 @@ class Feeder:
             for e, b, items in upcoming:
                 for i, item in enumerate(items):
                     key = (e, b, i)
-                    if key not in submitted and self.pool.has_room():
-                        self.pool.submit(key, item)
+                    if key not in submitted and self.pool.has_room() and self.pool.submit(key, item):
                         submitted.add(key)
             for key, res in self.pool.collect(timeout=0.2):
                 results[key] = res
@@ -398,7 +448,7 @@ class Feeder:
                 a = self.acct
                 log.info("rank %d: %d micro-batches, read %d delivered %d quarantined %d, queue %d, actors %d, "
                          "consumer wait %.1fs, producer blocked %.1fs, stages %s", self.rank, self.batches, a.read,
-                         a.delivered, a.n_quarantined, len(self.queue), len(self.pool.actors),
+                         a.delivered, a.n_quarantined, len(self.queue), self.pool.size,
                          self._waited_total(), self._blocked_total(),
                          {k: v["seconds"] for k, v in self.times.as_dict().items()})
             t0 = time.monotonic()
@@ -413,7 +463,7 @@ class Feeder:
         return self.consumer_wait_s + sum(time.perf_counter() - t for t in list(self._waiting.values()))
 
     def _autoscale(self, waited: float, blocked: float, interval: float) -> None:
-        n = len(self.pool.actors)
+        n = self.pool.size
         action, reason = None, ""
         if waited > 0.1 * interval and n < self.cfg.max_actors:
             self.pool.grow()
@@ -422,7 +472,7 @@ class Feeder:
             self.pool.shrink()
             action, reason = "down", f"producer blocked {blocked:.2f}s of {interval:.2f}s on a full queue"
         if action:
-            d = {"time": time.time(), "action": action, "actors": len(self.pool.actors), "reason": reason}
+            d = {"time": time.time(), "action": action, "actors": self.pool.size, "reason": reason}
             self.decisions.append(d)
             log.info("rank %d autoscale %s -> %d actors: %s", self.rank, action, d["actors"], reason)
 

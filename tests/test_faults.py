@@ -111,3 +111,16 @@ def test_restore_with_a_different_config_fails_fast(photo_shards, ray_local):
             other.client(0, output="numpy").restore_state(state)
     finally:
         other.shutdown()
+
+
+def test_actor_the_cluster_cannot_place_holds_no_work(photo_shards, ray_local):
+    """Two actors that each need all the free CPUs: one never starts; the other does all the work."""
+    free = int(ray.available_resources().get("CPU", 0))
+    assert free >= 1, "an earlier test left no CPU free"
+    svc = DataService(cfg(photo_shards, min_actors=2, max_actors=2, decode_threads=free), run=f"p{uuid.uuid4().hex[:6]}")
+    try:
+        c = svc.client(0, output="numpy")
+        got = drain(c)
+        assert keys_of(got) == expected(photo_shards)
+    finally:
+        svc.shutdown()
