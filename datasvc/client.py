@@ -74,24 +74,30 @@ class DataClient:
     def save_state(self) -> dict:
         """Where this rank stands: restoring continues with the micro-batch after the last one
         returned by ``__next__`` (prefetched ones are fetched again)."""
-        pos = self._last_pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
-        return {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
-                "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+        return self._state_after(self._last_pos)
 
     def restore_state(self, state: dict) -> None:
         if state.get("dp_rank", self.dp_rank) != self.dp_rank:
             raise DataServiceError(f"state belongs to dp_rank {state.get('dp_rank')}, not {self.dp_rank}")
         self.close()
-        start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
+        self._reopen_feeder(state)
+        self._next_step = state["step"]
+        before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
+                  "step": state["step"] - 1}
+        self._fetched_pos = self._last_pos = before
+
+    def _state_after(self, pos: dict | None) -> dict:
+        """The state that resumes right after the micro-batch at ``pos`` (None: from the start)."""
+        pos = pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
+        return {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
+                "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+
+    def _reopen_feeder(self, state: dict) -> None:
+        """Consumer 0 of a replica restarts the feeder at ``state``; the others wait for it."""
         if self.consumer == 0:
             self._restart_feeder(state)
         else:
-            self._await_feeder(start)
-        self._next_step = state["step"]
-        self._fetched_pos = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
-                             "step": state["step"] - 1}
-        self._last_pos = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
-                          "step": state["step"] - 1}
+            self._await_feeder({k: state[k] for k in ("epoch", "block", "batch", "step")})
 
     def _restart_feeder(self, state: dict) -> None:
         try:
@@ -172,13 +178,7 @@ class DataClient:
 
     def _recover_feeder(self) -> None:
         """The feeder died: restart it at the micro-batch after the last one fetched."""
-        pos = self._fetched_pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
-        state = {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
-                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
-        if self.consumer == 0:
-            self._restart_feeder(state)
-        else:
-            self._await_feeder({k: state[k] for k in ("epoch", "block", "batch", "step")})
+        self._reopen_feeder(self._state_after(self._fetched_pos))
 
     def _materialize(self, packed: PackedBatch):
         if self.output == "numpy":

@@ -234,7 +234,7 @@ class GpuDecoder:
     def decode(self, jobs: list[DecodeJob]) -> list[np.ndarray | ImageRejected]:
         results: list[np.ndarray | ImageRejected | None] = [None] * len(jobs)
         gpu_idx = [i for i, j in enumerate(jobs) if not _needs_pil(j.header)]
-        cpu_idx = [i for i in range(len(jobs)) if i not in set(gpu_idx)]
+        cpu_idx = [i for i, j in enumerate(jobs) if _needs_pil(j.header)]
         for start in range(0, len(gpu_idx), self.max_batch):
             chunk = gpu_idx[start:start + self.max_batch]
             try:

@@ -163,7 +163,8 @@ class _Pool:
             self._promote()
             self._drain_backlog()
         if not self.in_flight:
-            time.sleep(min(timeout, 0.05))  # waiting for an actor to start
+            if self.starting:  # nothing to collect until an actor starts: wait for that instead
+                ray.wait(list(self.starting), num_returns=1, timeout=timeout)
             return []
         ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
         with self.lock:

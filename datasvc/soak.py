@@ -73,7 +73,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
     from datasvc.cluster import connect
     from datasvc.config import ServiceConfig
     from datasvc.samples import write_photo_shards
-    from datasvc.service import DataService, EndOfData
+    from datasvc.service import DataService, EndOfData, feeder_name
 
     rng = random.Random(seed)
     root = os.path.join(os.environ.get("VLMFEED_CACHE", os.path.expanduser("~/.cache/vlmfeed")), "soak")
@@ -101,12 +101,11 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
             if time.monotonic() >= next_kill:
                 next_kill = time.monotonic() + kill_every_s
                 kind = rng.choice(["ray.kill actor", "SIGKILL actor", "ray.kill feeder"])
-                feeder = svc.feeders[0] if kind != "ray.kill feeder" else None
                 try:
                     if kind == "ray.kill feeder":
-                        ray.kill(ray.get_actor(f"{svc.run}-feeder-0"), no_restart=True)
+                        ray.kill(ray.get_actor(feeder_name(svc.run, 0)), no_restart=True)
                     else:
-                        actors = ray.get(ray.get_actor(f"{svc.run}-feeder-0").actor_handles.remote())
+                        actors = ray.get(ray.get_actor(feeder_name(svc.run, 0)).actor_handles.remote())
                         if actors:
                             victim = rng.choice(actors)
                             if kind == "SIGKILL actor":
@@ -116,7 +115,6 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
                     faults[kind] += 1
                 except Exception as exc:  # the victim may already be gone; count, do not stop
                     faults[f"{kind} (no target: {type(exc).__name__})"] += 1
-                del feeder
             rss = _ray_rss_mib()
             rss_first = rss if rss_first is None and batches >= 20 else rss_first
             rss_peak = max(rss_peak or 0, rss)
@@ -126,7 +124,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
                       f"faults {sum(faults.values())}, ray RSS {rss:.0f} MiB", flush=True)
     except EndOfData:
         pass
-    stats = ray.get(ray.get_actor(f"{svc.run}-feeder-0").stats.remote())
+    stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote())
     rss_final = _ray_rss_mib()
     client.close()
     svc.shutdown()

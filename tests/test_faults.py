@@ -115,6 +115,9 @@ def test_restore_with_a_different_config_fails_fast(photo_shards, ray_local):
 
 def test_actor_the_cluster_cannot_place_holds_no_work(photo_shards, ray_local):
     """Two actors that each need all the free CPUs: one never starts; the other does all the work."""
+    deadline = time.monotonic() + 60  # actors killed by earlier tests release their CPUs lazily
+    while int(ray.available_resources().get("CPU", 0)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
     free = int(ray.available_resources().get("CPU", 0))
     assert free >= 1, "an earlier test left no CPU free"
     svc = DataService(cfg(photo_shards, min_actors=2, max_actors=2, decode_threads=free), run=f"p{uuid.uuid4().hex[:6]}")
