@@ -30,6 +30,8 @@ class ServiceConfig:
     """Work items shuffled and packed together; also the granularity of exact resume."""
     decode: Literal["cpu", "gpu"] = "cpu"
     decode_threads: int = 1
+    decode_gpu_share: float = 0.25
+    """GPU fraction each preprocessing actor requests when ``decode`` is "gpu"."""
     min_actors: int = 1
     max_actors: int = 2
     """Preprocessing actors per data-parallel rank, autoscaled between these."""
@@ -60,6 +62,8 @@ class ServiceConfig:
             problems.append("samples_per_item and items_per_block must be >= 1")
         if self.epochs is not None and self.epochs < 1:
             problems.append("epochs must be >= 1 or None (stream forever)")
+        if self.decode == "gpu" and not 0 < self.decode_gpu_share <= 1:
+            problems.append(f"decode_gpu_share must be in (0, 1], not {self.decode_gpu_share}")
         if self.decode not in ("cpu", "gpu"):
             problems.append(f"decode must be 'cpu' or 'gpu', not {self.decode!r}")
         if self.seq_len < 16 or self.micro_batch_size < 1:

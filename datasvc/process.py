@@ -17,7 +17,7 @@ from datasvc.registry import Pipeline
 from datasvc.rejects import Accounting
 from datasvc.shards import ReadLimits, SampleIndex, read_samples
 from datasvc.text import SampleRejected
-from datasvc.vision import ImageRejected, patchify
+from datasvc.vision import ImageRejected
 
 STAGES = ("read", "decode", "preprocess", "tokenize", "pack", "transfer")
 
@@ -78,44 +78,23 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
     acct.read += len(raws)
     acct.ignored_members.update(ignored)
 
-    # Probe every image header first, so the pixel cap and the aspect rule apply before decode.
-    jobs: list[DecodeJob] = []
-    owners: list[int] = []
-    alive: list[bool] = []
-    problems: list[tuple[str, str]] = []
-    t0 = time.perf_counter()
+    alive = [not raw.problem for raw in raws]
+    problems = [(raw.problem, raw.detail) for raw in raws]
+    blobs, owners = [], []
     for si, raw in enumerate(raws):
-        ok, why = not raw.problem, (raw.problem, raw.detail)
-        if ok and raw.text is None and raw.conversation is None:
-            ok, why = False, ("missing_text", "no txt or json member")
-        if ok:
-            try:
-                sample_jobs = []
-                for _ext, data in raw.images:
-                    header = probe(data, spec.max_decode_pixels)
-                    sample_jobs.append(DecodeJob(data, header, spec.target_size(header.height, header.width)))
-                jobs.extend(sample_jobs)
-                owners.extend([si] * len(sample_jobs))
-            except ImageRejected as exc:
-                ok, why = False, (exc.reason, exc.detail)
-        alive.append(ok)
-        problems.append(why)
-    images = [None] * len(jobs)
-    if jobs:
-        images = decoder.decode(jobs)
-    times.add("decode", time.perf_counter() - t0, len(jobs))
-
-    t0 = time.perf_counter()
+        if alive[si] and raw.text is None and raw.conversation is None:
+            alive[si], problems[si] = False, ("missing_text", "no txt or json member")
+        elif alive[si]:
+            blobs.extend(data for _ext, data in raw.images)
+            owners.extend([si] * len(raw.images))
     per_sample: dict[int, list] = defaultdict(list)
-    for job, owner, img in zip(jobs, owners, images):
+    for owner, res in zip(owners, preprocess_images(blobs, spec, decoder, times)):
         if not alive[owner]:
             continue
-        if isinstance(img, ImageRejected):
-            alive[owner], problems[owner] = False, (img.reason, img.detail)
-            continue
-        th, tw = job.target_hw
-        per_sample[owner].append((patchify(img, spec), (1, th // spec.patch_size, tw // spec.patch_size)))
-    times.add("preprocess", time.perf_counter() - t0, len(jobs))
+        if isinstance(res, ImageRejected):
+            alive[owner], problems[owner] = False, (res.reason, res.detail)
+        else:
+            per_sample[owner].append(res)
 
     t0 = time.perf_counter()
     encoded: list[EncodedSample] = []
@@ -140,8 +119,13 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
 
 
-def preprocess_images(blobs: list[bytes], spec, decoder: Decoder) -> list[tuple[np.ndarray, tuple] | ImageRejected]:
-    """Encoded images -> (uint8 patches, grid) each, or the reason one was rejected."""
+def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
+                      times: StageTimes | None = None) -> list[tuple[np.ndarray, tuple] | ImageRejected]:
+    """Encoded images -> (uint8 patches, grid) each, or the reason one was rejected.
+
+    Every header is probed first, so the pixel cap and the aspect rule apply before any decode.
+    """
+    t0 = time.perf_counter()
     jobs, out = [], []
     for data in blobs:
         try:
@@ -150,15 +134,15 @@ def preprocess_images(blobs: list[bytes], spec, decoder: Decoder) -> list[tuple[
             out.append(None)
         except ImageRejected as exc:
             out.append(exc)
-    decoded = iter(decoder.decode(jobs))
+    timer = times.add if times is not None else None
+    if timer:
+        timer("decode", time.perf_counter() - t0, 0)
+    patches = iter(decoder.to_patches(jobs, spec, timer) if jobs else [])
     job_iter = iter(jobs)
     for i, o in enumerate(out):
         if o is not None:
             continue
-        job, img = next(job_iter), next(decoded)
-        if isinstance(img, ImageRejected):
-            out[i] = img
-        else:
-            th, tw = job.target_hw
-            out[i] = (patchify(img, spec), (1, th // spec.patch_size, tw // spec.patch_size))
+        job, p = next(job_iter), next(patches)
+        th, tw = job.target_hw
+        out[i] = p if isinstance(p, ImageRejected) else (p, (1, th // spec.patch_size, tw // spec.patch_size))
     return out

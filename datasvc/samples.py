@@ -56,15 +56,31 @@ def encode_image(img: np.ndarray, fmt: str = "jpg", quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
+def crop_variant(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A random crop (55-100% of each side) of a real photo, mirrored half the time."""
+    h, w = img.shape[:2]
+    ch, cw = (max(16, int(s * rng.uniform(0.55, 1.0))) for s in (h, w))
+    y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+    out = img[y:y + ch, x:x + cw]
+    return np.ascontiguousarray(out[:, ::-1] if rng.random() < 0.5 else out)
+
+
 def write_photo_shards(out_dir: str, samples_per_shard: int = 6, copies: int = 1,
-                       conversations: bool = True) -> list[str]:
-    """Write shards of real photos: caption samples, plus two-image conversations."""
+                       conversations: bool = True, crops: bool = False) -> list[str]:
+    """Write shards of real photos: caption samples, plus two-image conversations.
+
+    With ``crops``, every copy after the first is a different random crop of each photo, so a larger
+    set has distinct images (sizes and content) instead of repeats.
+    """
     import webdataset as wds
 
     os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(0)
     photos = real_photos()
     samples = []
     for c in range(copies):
+        if crops and c:
+            photos = [(name, crop_variant(img, rng), caption) for name, img, caption in real_photos()]
         for name, img, caption in photos:
             fmt = "png" if img.ndim == 3 and img.shape[2] == 4 else "jpg"
             samples.append({"__key__": f"{name}_{c:03d}", fmt: encode_image(img, fmt), "txt": caption})
@@ -86,13 +102,23 @@ def write_photo_shards(out_dir: str, samples_per_shard: int = 6, copies: int = 1
 
 
 def default_shards() -> list[str]:
-    """The bundled real-photo shards, written once into the cache directory."""
+    """The bundled real-photo shards (96 samples), written once into the cache directory."""
+    return _cached_shards("photos-v1", copies=4)
+
+
+def large_shards(copies: int = 16) -> list[str]:
+    """``copies`` x 24 samples of the same photos, each copy a different crop: for benchmarks whose
+    blocks must fill many rows (large MBS)."""
+    return _cached_shards(f"photos-v1-crops{copies}", copies=copies, crops=True)
+
+
+def _cached_shards(name: str, **opts) -> list[str]:
     root = os.environ.get("VLMFEED_CACHE", os.path.expanduser("~/.cache/vlmfeed"))
-    out = os.path.join(root, "photos-v1")
+    out = os.path.join(root, name)
     done = os.path.join(out, ".complete")
     if not os.path.exists(done):
         tmp = out + f".tmp{os.getpid()}"
-        write_photo_shards(tmp, copies=4)
+        write_photo_shards(tmp, **opts)
         if os.path.exists(out):
             import shutil
 

@@ -101,7 +101,7 @@ class _Pool:
     def _new(self):
         opts = {"num_cpus": self.cfg.decode_threads}
         if self.cfg.decode == "gpu":
-            opts["num_gpus"] = 0.25  # GPU decode shares the device with the trainer rank
+            opts["num_gpus"] = self.cfg.decode_gpu_share
         return PreprocessActor.options(**opts).remote(self.cfg)
 
     def grow(self) -> None:

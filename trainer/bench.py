@@ -15,92 +15,154 @@ import sys
 import time
 
 PROXY = ["--num-layers", "4", "--seq-len", "4096"]
+
+
+def _case(strategy: str, source: str, mbs: int, iters: int, *extra: str, label: str = "") -> tuple:
+    name = f"{strategy}-{source}-mbs{mbs}{'-' + label if label else ''}"
+    return name, source, ["--strategy", strategy, "--mbs", str(mbs), "--train-iters", str(iters), *extra]
+
+
+# Sources: "real" is the bundled photo set (96 samples an epoch); "real-large" the same photos as 384
+# distinct crops, so that blocks fill the rows of MBS 4 and 8; synthetic/mock are calibrated from
+# the real set of the same name and have as many samples.
 GROUPS = {
-    # name: list of (case name, source, extra trainer.run args)
-    "proof": [("fsdp-real-mbs2", "real", ["--strategy", "fsdp", "--mbs", "2", "--train-iters", "50"]),
-              ("3d-real-mbs2", "real", ["--strategy", "3d", "--mbs", "2", "--train-iters", "50"])],
-    "sources": [("3d-synthetic-mbs2", "synthetic", ["--strategy", "3d", "--mbs", "2", "--train-iters", "30"]),
-                ("3d-mock-mbs2", "mock", ["--strategy", "3d", "--mbs", "2", "--train-iters", "30"])],
-    "mbs": [("3d-real-mbs1", "real", ["--strategy", "3d", "--mbs", "1", "--train-iters", "25"]),
-            ("3d-real-mbs4", "real", ["--strategy", "3d", "--mbs", "4", "--train-iters", "20"]),
-            ("3d-real-mbs8-recompute", "real", ["--strategy", "3d", "--mbs", "8", "--train-iters", "15",
-                                                "--recompute", "full"])],
-    "variants": [("3d-real-mbs2-frozen-vision", "real", ["--strategy", "3d", "--mbs", "2", "--train-iters", "25",
-                                                         "--freeze-vision-model"]),
-                 ("3d-real-mbs2-padded", "real", ["--strategy", "3d", "--mbs", "2", "--train-iters", "25",
-                                                  "--padded"])],
+    "proof": [_case("fsdp", "real", 2, 50), _case("3d", "real", 2, 50)],
+    "sources": [_case("3d", "synthetic", 2, 30), _case("3d", "mock", 2, 30)],
+    "mbs": [_case("3d", "real", 1, 25), _case("3d", "real", 4, 20),
+            _case("3d", "real", 8, 15, "--recompute", "full", label="recompute")],
+    "variants": [_case("3d", "real", 2, 25, "--freeze-vision-model", label="frozen-vision"),
+                 _case("3d", "real", 2, 25, "--padded", label="padded")],
+    # Session 2: fsdp sweep and sources on the larger real set, MBS 4/8 under both strategies.
+    "fsdp": [_case("fsdp", "real-large", 1, 12), _case("fsdp", "real-large", 2, 12),
+             _case("fsdp", "synthetic-large", 2, 12), _case("fsdp", "mock-large", 2, 12)],
+    "large-mbs": [_case("fsdp", "real-large", 4, 10, "--recompute", "full", label="recompute"),
+                  _case("fsdp", "real-large", 8, 8, "--recompute", "full", label="recompute"),
+                  _case("3d", "real-large", 4, 12, "--recompute", "full", label="recompute"),
+                  _case("3d", "real-large", 8, 10, "--recompute", "full", label="recompute")],
+    "gpu-decode-train": [_case("3d", "real-large", 2, 20, "--decode", "gpu", label="gpu-decode")],
+    "two-gpus": [_case("3d", "real-large", 2, 15, "--world-size", "2", "--ep", "2", label="ep2-2gpu"),
+                 _case("fsdp", "real-large", 2, 12, "--world-size", "2", label="2gpu")],
 }
 
 
-def gpu_decode_check(out: str, n_images: int = 128, batch: int = 64) -> dict:
-    """DALI GPU decode+resize vs DALI CPU (all host cores) vs torchvision nvJPEG, same JPEGs."""
+def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
+    """Bytes -> uint8 patch rows in host memory (what the service ships) and -> bf16 ``pixel_values``
+    on the GPU, for DALI GPU, DALI CPU on every host core and torchvision nvJPEG, same 1-2 MP JPEGs."""
     import numpy as np
     import torch
+    import torch.nn.functional as F
     import torchvision
 
     from datasvc.bench import photo_set
     from datasvc.decode import CpuDecoder, DecodeJob, GpuDecoder, probe
-    from datasvc.vision import VisionSpec
+    from datasvc.vision import VisionSpec, to_pixel_values
 
     spec = VisionSpec(max_pixels=16777216)
     photos = photo_set(n_images, min_mp=1.0, max_mp=2.0)
-    blobs = [p.data for p in photos]
     jobs = []
-    for b in blobs:
-        h = probe(b, spec.max_decode_pixels)
-        jobs.append(DecodeJob(b, h, spec.target_size(h.height, h.width)))
+    for p in photos:
+        h = probe(p.data, spec.max_decode_pixels)
+        jobs.append(DecodeJob(p.data, h, spec.target_size(h.height, h.width)))
     mp = sum(j.header.pixels for j in jobs) / 1e6
-    res = {"images": len(jobs), "megapixels": round(mp, 1)}
+    res = {"images": len(jobs), "megapixels": round(mp, 1), "batch": batch}
 
     def timed(name, fn, repeats=3):
-        fn()  # warm-up (pipeline build, cuda context, nvjpeg handles)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            out = fn()
-        dt = (time.perf_counter() - t0) / repeats
-        res[name] = {"img_s": round(len(jobs) / dt, 1), "mp_s": round(mp / dt, 1)}
+        try:
+            fn()  # warm-up: pipeline build, CUDA context, nvJPEG handles, pinned pool
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                result = fn()
+            dt = (time.perf_counter() - t0) / repeats
+            res[name] = {"img_s": round(len(jobs) / dt, 1), "mp_s": round(mp / dt, 1)}
+        except Exception as exc:  # one failing path must not hide the others
+            res[name], result = {"error": f"{type(exc).__name__}: {exc}"[:300]}, []
+        print(f"[bench] {name}: {res[name]}", flush=True)
+        return result
+
+    def ratio(a, b):
+        ra, rb = res[a].get("img_s"), res[b].get("img_s")
+        return round(ra / rb, 3) if ra and rb else None
+
+    def to_gpu_pixel_values(patch_list):
+        rows = [to_pixel_values(torch.from_numpy(p).cuda(non_blocking=True), spec, torch.bfloat16) for p in patch_list]
+        torch.cuda.synchronize()
+        return rows
+
+    data = [torch.frombuffer(bytearray(j.data), dtype=torch.uint8) for j in jobs]
+
+    def torchvision_patches(host: bool):
+        """nvJPEG batched decode, bicubic antialiased resize and patchify in torch, all on the GPU."""
+        out, p, m = [], spec.patch_size, spec.merge_size
+        for i in range(0, len(data), batch):
+            images = torchvision.io.decode_jpeg(data[i:i + batch], device="cuda", mode=torchvision.io.ImageReadMode.RGB)
+            for img, job in zip(images, jobs[i:i + batch]):
+                th, tw = job.target_hw
+                x = F.interpolate(img[None].float(), size=(th, tw), mode="bicubic", antialias=True)
+                x = x.round_().clamp_(0, 255).to(torch.uint8)[0]  # [3, th, tw]
+                x = x.view(3, th // (p * m), m, p, tw // (p * m), m, p).permute(1, 4, 2, 5, 0, 3, 6)
+                out.append(x.reshape(-1, spec.patch_dim))
+        if host:
+            out = [t.to("cpu", non_blocking=True).pin_memory() for t in out]
+        torch.cuda.synchronize()
         return out
 
     gpu = GpuDecoder(device_id=0, num_threads=4, max_batch=batch)
     cpu = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch)
-    g = timed("dali_gpu_decode_resize", lambda: gpu.decode(jobs))
-    c = timed("dali_cpu_decode_resize", lambda: cpu.decode(jobs), repeats=1)
-    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+    g = timed("dali_gpu_to_host_patches", lambda: gpu.to_patches(jobs, spec))
+    timed("dali_gpu_to_gpu_pixel_values", lambda: to_gpu_pixel_values(gpu.to_patches(jobs, spec)))
+    c = timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_patches(jobs, spec), repeats=1)
+    timed("torchvision_nvjpeg_to_host_patches", lambda: torchvision_patches(host=True))
+    timed("torchvision_nvjpeg_to_gpu_pixel_values",
+          lambda: [to_pixel_values(t, spec, torch.bfloat16) for t in torchvision_patches(host=False)])
 
-    def tv():
-        outs = []
+    def decode_only():
         for i in range(0, len(data), batch):
-            outs += torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
+            torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
         torch.cuda.synchronize()
-        return outs
-    timed("torchvision_nvjpeg_decode", tv)
+    timed("torchvision_nvjpeg_decode_only", decode_only)
     mads = [float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() / 127.5) for a, b in zip(g, c)
             if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)]
-    res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5)
-    res["gpu_vs_torchvision"] = round(res["dali_gpu_decode_resize"]["img_s"] / res["torchvision_nvjpeg_decode"]["img_s"], 3)
+    res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5) if mads else None
+    for name in ("to_host_patches", "to_gpu_pixel_values"):
+        res[f"dali_gpu_vs_torchvision_{name}"] = ratio(f"dali_gpu_{name}", f"torchvision_nvjpeg_{name}")
+    res["dali_gpu_vs_dali_cpu_to_host_patches"] = ratio("dali_gpu_to_host_patches", "dali_cpu_all_cores_to_host_patches")
     print("[bench] gpu decode:", json.dumps(res), flush=True)
     with open(os.path.join(out, "gpu_decode.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res
 
 
-def prepare_sources(root: str) -> dict[str, list[str]]:
-    from datasvc.samples import default_shards
+def prepare_sources(root: str, wanted: set[str]) -> dict[str, list[str]]:
+    """Shards for the wanted sources; synthetic and mock are written once per root and reused."""
+    from datasvc.samples import default_shards, large_shards
     from datasvc.shards import index_shard
     from datasvc.synth import calibrate, write_shards
 
-    real = default_shards()
-    n = sum(len(index_shard(p).samples) for p in real)
-    profile = calibrate(real)
-    synthetic = write_shards(os.path.join(root, "synthetic"), n, profile, seed=0, samples_per_shard=32, progress=False)
-    mock = write_shards(os.path.join(root, "mock"), n, profile, seed=0, samples_per_shard=32, mock=True, progress=False)
-    return {"real": real, "synthetic": synthetic, "mock": mock}
+    out = {}
+    for suffix, real in (("", default_shards), ("-large", large_shards)):
+        if not wanted & {f"real{suffix}", f"synthetic{suffix}", f"mock{suffix}"}:
+            continue
+        out[f"real{suffix}"] = paths = real()
+        n = sum(len(index_shard(p).samples) for p in paths)
+        profile = calibrate(paths)
+        for kind in ("synthetic", "mock"):
+            name = f"{kind}{suffix}"
+            if name in wanted:
+                target = os.path.join(root, name)
+                done = os.path.join(target, ".complete")
+                if not os.path.exists(done):
+                    write_shards(target, n, profile, seed=0, samples_per_shard=32, mock=kind == "mock",
+                                 progress=False)
+                    open(done, "w").close()
+                out[name] = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(".tar"))
+    return out
 
 
 def run_case(name: str, shards: list[str], extra: list[str], address: str, out: str, timeout: int) -> dict:
     case_out = os.path.join(out, name)
+    world = [] if "--world-size" in extra else ["--world-size", "1"]
     cmd = [sys.executable, "-m", "trainer.run", "qwen3vl", "--address", address, "--out", case_out,
-           "--shards", *shards, "--data-actors", "2", "8", *PROXY, *extra]
+           "--shards", *shards, "--data-actors", "2", "8", *PROXY, *world, *extra]
     t0 = time.time()
     print(f"[bench] {name}: {' '.join(cmd[3:])}", flush=True)
     with open(os.path.join(out, f"{name}.log"), "w") as log:
@@ -125,31 +187,44 @@ def run_case(name: str, shards: list[str], extra: list[str], address: str, out: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.bench")
-    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--groups", nargs="+", default=["proof", "sources", "mbs", "variants"], choices=list(GROUPS))
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
+    ap.add_argument("--shards-dir", default=None, help="where synthetic/mock shards are written and reused "
+                                                       "(default: OUT/shards)")
     ap.add_argument("--case-timeout", type=int, default=200)
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start after which no case starts and a running one is cut short")
     ap.add_argument("--gpu-decode", action="store_true", help="also compare DALI GPU decode (needs DALI + CUDA)")
     args = ap.parse_args(argv)
+    start = time.time()
     os.makedirs(args.out, exist_ok=True)
     if args.gpu_decode:
         try:
             gpu_decode_check(args.out)
         except Exception as exc:  # report and go on to the training cases
             print(f"[bench] gpu decode check failed: {type(exc).__name__}: {exc}", flush=True)
-    sources = prepare_sources(os.path.join(args.out, "shards"))
+    cases = [c for g in args.groups for c in GROUPS[g]]
+    sources = prepare_sources(args.shards_dir or os.path.join(args.out, "shards"), {src for _, src, _ in cases})
     address = "127.0.0.1:6390"
     subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390",
                     "--include-dashboard=false"], check=True)
     results = []
     try:
-        for g in args.groups:
-            for name, source, extra in GROUPS[g]:
-                results.append(run_case(name, sources[source], extra, address, args.out, args.case_timeout))
-                with open(os.path.join(args.out, "bench.json"), "w") as f:
-                    json.dump(results, f, indent=1)
+        for name, source, extra in cases:
+            timeout = args.case_timeout
+            if args.deadline is not None:
+                timeout = min(timeout, int(args.deadline - (time.time() - start)))
+                if timeout < 60:
+                    print(f"[bench] {name}: skipped, {timeout} s left before the deadline", flush=True)
+                    results.append({"case": name, "rc": "skipped (deadline)", "args": extra})
+                    continue
+            results.append(run_case(name, sources[source], extra, address, args.out, timeout))
+            with open(os.path.join(args.out, "bench.json"), "w") as f:
+                json.dump(results, f, indent=1)
     finally:
         subprocess.run(["ray", "stop", "--force"])
-        shutil.rmtree(os.path.join(args.out, "shards"), ignore_errors=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 

@@ -16,6 +16,7 @@ import time
 import uuid
 
 log = logging.getLogger("vlmfeed.run")
+TRAINER_GPU_SHARE = 0.75
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,6 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--max-pixels", type=int, default=None, help="image pixel cap (default: 1 MP on GPU, 64K on CPU)")
     g.add_argument("--min-pixels", type=int, default=None)
     g.add_argument("--data-seed", type=int, default=0)
+    g.add_argument("--items-per-block", type=int, default=None,
+                   help="work items packed together (default: 2 x MBS, at least 4)")
     add_cli_args(p)
     args = p.parse_args(argv)
     args._given = {a.split("=")[0] for a in argv if a.startswith("--")}
@@ -99,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     from datasvc.samples import default_shards
 
     shards = tuple(args.shards or default_shards())
+    # GPU decode shares each rank's GPU: ranks take TRAINER_GPU_SHARE of it, a rank's pool the rest.
+    gpu_per_rank, decode_share = 1.0, 0.25
+    if args.decode == "gpu":
+        if backend != "megatron":
+            raise SystemExit("--decode gpu needs GPUs in the cluster; use --decode cpu")
+        gpu_per_rank = TRAINER_GPU_SHARE
+        decode_share = (1 - TRAINER_GPU_SHARE) * world / dp / args.data_actors[1]
     pipe_opts = {"max_pixels": args.max_pixels or (1024 * 1024 if backend == "megatron" else 256 * 256)}
     if args.min_pixels or pipe_opts["max_pixels"] < 65536:
         pipe_opts["min_pixels"] = args.min_pixels or min(65536, pipe_opts["max_pixels"])
@@ -106,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
                              seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=dp,
                              pack=not cfg.train.padded,
                              consumers_per_replica=layout0.model_parallel, epochs=None, seed=args.data_seed,
-                             decode=args.decode, decode_threads=args.decode_threads,
-                             min_actors=args.data_actors[0], max_actors=args.data_actors[1])
+                             decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
+                             min_actors=args.data_actors[0], max_actors=args.data_actors[1],
+                             # A block packs on its own: it must hold several rows' worth of samples
+                             # or every micro-batch at a large MBS ends part empty.
+                             items_per_block=args.items_per_block or max(4, 2 * cfg.train.mbs))
     os.makedirs(args.out, exist_ok=True)
     metrics = os.path.abspath(os.path.join(args.out, "metrics.jsonl"))
     if os.path.exists(metrics):
@@ -115,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     run = f"vlmfeed-{uuid.uuid4().hex[:8]}"
     log.info("backend=%s world=%d dp=%d shards=%d seq_len=%d mbs=%d gbs=%d", backend, world, dp, len(shards),
              cfg.train.seq_len, cfg.train.mbs, cfg.train.gbs)
-    service = DataService(data_cfg, run=run)
-    group = WorkerGroup(world, use_gpu=backend == "megatron")
+    # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
+    group = WorkerGroup(world, use_gpu=backend == "megatron", gpu_per_rank=gpu_per_rank)
+    try:
+        service = DataService(data_cfg, run=run)
+    except BaseException:
+        group.shutdown()
+        raise
     t0 = time.time()
     try:
         per_rank = [(backend, cfg, data_cfg, run, RankLayout(r, world, cfg.parallel.tp, cfg.parallel.cp,

@@ -80,12 +80,16 @@ class TrainerWorker:
 class WorkerGroup:
     """The trainer actors of one job, ranked and ready for torch.distributed."""
 
-    def __init__(self, world: int, use_gpu: bool, cpus_per_rank: float = 1.0):
-        bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
+    def __init__(self, world: int, use_gpu: bool, cpus_per_rank: float = 1.0, gpu_per_rank: float = 1.0):
+        # gpu_per_rank < 1 leaves room on each rank's GPU for GPU-decoding data actors; above 0.5, two
+        # ranks can never share one GPU.
+        if use_gpu and not 0.5 < gpu_per_rank <= 1.0:
+            raise ValueError(f"gpu_per_rank must be in (0.5, 1], not {gpu_per_rank}")
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpu_per_rank} if use_gpu else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         actors = [TrainerWorker.options(
-            num_cpus=cpus_per_rank, num_gpus=1 if use_gpu else 0,
+            num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
         ).remote() for i in range(world)]
         infos = ray.get([a.node_info.remote() for a in actors])
