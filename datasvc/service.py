@@ -71,6 +71,12 @@ def _quarantine_item(item: WorkItem, reason: str, detail: str) -> ItemResult:
     return ItemResult(item.item_id, [], acct, StageTimes())
 
 
+def _root_cause(exc: Exception) -> str:
+    """The last ``SomeError: message`` line of a Ray error (the remote exception), else its type."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if "Error" in ln and ":" in ln]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
 class _Pool:
     """Preprocessing actors of one feeder; replaces the dead, resubmits their items.
 
@@ -79,6 +85,9 @@ class _Pool:
     """
 
     PENDING_WARN_S = 60.0
+    # Killed actors are replaced forever; actors that cannot even start (a missing package, a bad
+    # pipeline option) would be too, so this many failures in a row, with no start between, are fatal.
+    MAX_START_FAILURES = 5
 
     def __init__(self, cfg: ServiceConfig, rank: int):
         self.cfg = cfg
@@ -90,6 +99,7 @@ class _Pool:
         self.in_flight: dict = {}  # ref -> (item_key, item, actor, attempts)
         self.lock = threading.RLock()  # the producer and the autoscaler both change the pool
         self.replaced = 0
+        self.start_failures = 0
         self._warned: set = set()
         for _ in range(cfg.min_actors):
             self.grow()
@@ -126,9 +136,16 @@ class _Pool:
             try:
                 ray.get(ref)
                 self.actors.append(actor)
+                self.start_failures = 0
             except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
-                log.warning("rank %d: preprocessing actor failed to start (%s); starting another",
-                            self.rank, type(exc).__name__)
+                self.start_failures += 1
+                cause = _root_cause(exc)
+                if self.start_failures >= self.MAX_START_FAILURES:
+                    raise DataServiceError(
+                        f"rank {self.rank}: {self.start_failures} preprocessing actors in a row failed to start; "
+                        f"the last one said: {cause}. Install the data path's dependencies (nvidia-dali, "
+                        f"webdataset, the pipeline's tokenizer) on every node, or fix the data config") from None
+                log.warning("rank %d: preprocessing actor failed to start (%s); starting another", self.rank, cause)
                 self.grow()
         for ref, (_, since) in self.starting.items():
             if time.monotonic() - since > self.PENDING_WARN_S and ref not in self._warned:

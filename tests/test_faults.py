@@ -127,3 +127,32 @@ def test_actor_the_cluster_cannot_place_holds_no_work(photo_shards, ray_local):
         assert keys_of(got) == expected(photo_shards)
     finally:
         svc.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _CannotStart:
+    """Stands in for a preprocessing actor on a node that lacks a data-path package."""
+
+    def __init__(self, cfg):
+        raise ModuleNotFoundError("No module named 'vlmfeed_missing_dependency'")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_actors_that_cannot_start_fail_fast_with_the_cause(photo_shards, ray_local):
+    import pytest
+
+    from datasvc.service import DataServiceError, _Pool
+
+    class Pool(_Pool):
+        def _new(self):
+            return _CannotStart.remote(self.cfg)
+
+    pool = Pool(cfg(photo_shards, min_actors=2, max_actors=2), rank=0)
+    deadline = time.monotonic() + 120
+    with pytest.raises(DataServiceError, match="vlmfeed_missing_dependency") as err:
+        while time.monotonic() < deadline:
+            pool.collect(timeout=1.0)
+    assert f"{Pool.MAX_START_FAILURES} preprocessing actors in a row failed to start" in str(err.value)
+    assert "Install the data path's dependencies" in str(err.value)
