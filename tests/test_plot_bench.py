@@ -1,0 +1,21 @@
+import json
+
+from trainer.plot_bench import load, main
+
+
+def test_case_names_parse_and_plot_is_written(tmp_path):
+    rows = [{"case": "fsdp-real-large-mbs1", "rc": 0, "tokens_per_s": 3600.0, "data_wait_share": 0.0, "step_time_s": 1.0},
+            {"case": "3d-real-large-mbs4-recompute", "rc": 0, "tokens_per_s": 7900.0, "data_wait_share": 0.001,
+             "step_time_s": 1.5},
+            {"case": "3d-real-large-mbs8-recompute", "rc": 1},
+            {"case": "3d-mock-large-mbs2", "rc": 0, "tokens_per_s": 2900.0, "data_wait_share": 0.0, "step_time_s": 0.4},
+            {"case": "not-a-bench-case", "rc": 0}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    parsed = load([str(path)])
+    assert [(r["strategy"], r["source"], r["mbs"], r["label"]) for r in parsed] == [
+        ("fsdp", "real-large", 1, ""), ("3d", "real-large", 4, "recompute"), ("3d", "real-large", 8, "recompute"),
+        ("3d", "mock-large", 2, "")]
+    out = tmp_path / "plot.png"
+    assert main([str(path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
