@@ -193,10 +193,10 @@ class DataClient:
                 t = t.pin_memory().to(self.device, non_blocking=True)
             return t
 
-        from datasvc.registry import get_pipeline
+        from datasvc.registry import get_layout
 
         if self._spec is None:
-            self._spec = get_pipeline(self.cfg.pipeline, **self.cfg.pipeline_options).vision
+            self._spec = get_layout(self.cfg.pipeline, **self.cfg.pipeline_options).vision
         patches = tensor(packed.patches)
         dtype = getattr(torch, self.pixel_dtype)
         return {

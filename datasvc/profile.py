@@ -743,11 +743,11 @@ def image_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
 def vision_tokens_per_sample(shards: list[str], pipeline: str = "qwen3vl", pipeline_options: dict | None = None) -> dict:
     """Exact vision tokens per sample of whole shards, from image headers only (no decode)."""
     from datasvc.decode import probe
-    from datasvc.registry import get_pipeline
+    from datasvc.registry import get_layout
     from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
     from datasvc.vision import ImageRejected
 
-    spec = get_pipeline(pipeline, **(pipeline_options or {})).vision
+    spec = get_layout(pipeline, **(pipeline_options or {})).vision
     samples = images = tokens = rejected = 0
     for path in expand_shards(list(shards)):
         for raw in read_samples(path, list(index_shard(path).samples), ReadLimits()):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -12,7 +13,11 @@ from datasvc.vision import VisionSpec
 
 
 class Pipeline(Protocol):
-    """The model-specific contract the data service is driven by (see pipelines/)."""
+    """The model-specific contract the data service is driven by (see pipelines/).
+
+    A pipeline module provides ``build(**options) -> Pipeline`` (used where samples are encoded)
+    and ``layout(**options) -> PipelineLayout`` (used where only shapes and the pad id matter).
+    """
 
     name: str
     vision: VisionSpec
@@ -28,11 +33,27 @@ def available() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(pipelines.__path__) if not m.name.startswith("_"))
 
 
-def get_pipeline(name: str, **options) -> Pipeline:
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """What the feeder and the clients need of a pipeline: no tokenizer, cheap to build."""
+
+    vision: VisionSpec
+    pad_id: int
+
+
+def _module(name: str):
     try:
-        module = importlib.import_module(f"pipelines.{name}")
+        return importlib.import_module(f"pipelines.{name}")
     except ModuleNotFoundError as exc:
         if exc.name != f"pipelines.{name}":
             raise
         raise ValueError(f"unknown pipeline {name!r}; available: {', '.join(available())}") from None
-    return module.build(**options)
+
+
+def get_pipeline(name: str, **options) -> Pipeline:
+    return _module(name).build(**options)
+
+
+def get_layout(name: str, **options) -> PipelineLayout:
+    """The pipeline's vision layout and pad id; raises on options the pipeline does not know."""
+    return _module(name).layout(**options)

@@ -245,11 +245,10 @@ class Feeder:
         self.rank = rank
         self.start = Position(**start) if start else Position()
         self.plan = EpochPlan(cfg)
-        from datasvc.registry import get_pipeline
+        from datasvc.registry import get_layout
 
-        pipe = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-        self.pad_id, self.patch_dim = pipe.pad_id, pipe.vision.patch_dim
-        del pipe
+        layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
+        self.pad_id, self.patch_dim = layout.pad_id, layout.vision.patch_dim
         self.pool = _Pool(cfg, rank)
         self.cond = threading.Condition()
         self.queue: OrderedDict[int, tuple] = OrderedDict()  # step -> (ref, position, nbytes, taken)
@@ -504,10 +503,12 @@ class DataService:
 
     def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None):
         expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
-        from datasvc.registry import available
+        from datasvc.registry import get_layout
 
-        if cfg.pipeline not in available():
-            raise ValueError(f"unknown pipeline {cfg.pipeline!r}; available: {', '.join(available())}")
+        try:  # fail fast, in the driver, on an unknown pipeline or option
+            get_layout(cfg.pipeline, **cfg.pipeline_options)
+        except TypeError as exc:
+            raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
         self.cfg = cfg
         self.run = run
         self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r)) for r in range(cfg.dp_size)]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from datasvc.registry import PipelineLayout
 from datasvc.shards import RawSample
 from datasvc.text import ChatMLEncoder, ChatTokens, SampleRejected, load_tokenizer, normalize_conversation
 from datasvc.vision import VisionSpec
@@ -46,10 +47,7 @@ class Qwen3VLPipeline:
 
     def __init__(self, options: Qwen3VLOptions):
         self.options = options
-        self.vision = VisionSpec(patch_size=16, temporal_patch_size=2, merge_size=2,
-                                 min_pixels=options.min_pixels, max_pixels=options.max_pixels,
-                                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                                 max_decode_pixels=options.max_decode_pixels)
+        self.vision = _vision(options)
         self.tokenizer = load_tokenizer(options.tokenizer)
         self.chat = ChatMLEncoder(self.tokenizer, TOKENS, options.caption_prompt)
 
@@ -67,5 +65,16 @@ class Qwen3VLPipeline:
         return self.chat.encode(messages, image_tokens)
 
 
+def _vision(options: Qwen3VLOptions) -> VisionSpec:
+    return VisionSpec(patch_size=16, temporal_patch_size=2, merge_size=2,
+                      min_pixels=options.min_pixels, max_pixels=options.max_pixels,
+                      image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                      max_decode_pixels=options.max_decode_pixels)
+
+
 def build(**options) -> Qwen3VLPipeline:
     return Qwen3VLPipeline(Qwen3VLOptions(**options))
+
+
+def layout(**options) -> PipelineLayout:
+    return PipelineLayout(vision=_vision(Qwen3VLOptions(**options)), pad_id=TOKENS.pad)

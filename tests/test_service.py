@@ -158,6 +158,8 @@ def test_clear_errors(tmp_path, photo_shards, service):
         service(config([str(tmp_path / "missing-{000..003}.tar")]))
     with pytest.raises(ValueError, match="unknown pipeline"):
         service(config(photo_shards, pipeline="nope"))
+    with pytest.raises(ValueError, match="does not take these options.*max_pixel"):
+        service(config(photo_shards, pipeline_options={"max_pixel": 4096}))
     with pytest.raises(ValueError, match="min_actors"):
         config(photo_shards, min_actors=3, max_actors=2)
 

@@ -93,3 +93,12 @@ def test_padded_layout_puts_one_sample_per_row():
     batches, _ = pack(samples, PackingConfig(seq_len=512, micro_batch_size=4, pad_id=0, pack=False), 768)
     assert all(int(n) <= 1 for b in batches for n in b.num_samples)
     assert sum(len(b.sample_keys) for b in batches) == 10
+
+
+def test_layout_matches_the_built_pipeline():
+    """Feeders and clients read the layout without loading a tokenizer; it must agree with build()."""
+    from datasvc.registry import get_layout, get_pipeline
+
+    for options in ({}, {"max_pixels": 256 * 256, "min_pixels": 32 * 32}):
+        layout, pipeline = get_layout("qwen3vl", **options), get_pipeline("qwen3vl", **options)
+        assert layout.vision == pipeline.vision and layout.pad_id == pipeline.pad_id
