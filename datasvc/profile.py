@@ -272,6 +272,8 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
         rejected[k] = rejected.get(k, 0) + v
     n = max(1, tally.samples)
     nb = max(1, tally.batches)
+    content = {"images": tally.images, "megapixels": tally.megapixels, "text_tokens": tally.text_tokens,
+               "vision_tokens": tally.vision_tokens}
     actors = cfg.min_actors
     dp_s = stages["decode"]["seconds"] + stages["preprocess"]["seconds"]
     actor_s = sum(stages[s]["seconds"] for s in ACTOR_STAGES)
@@ -284,24 +286,10 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
         "blocks_measured": len(win),
         "samples": tally.samples,
         "micro_batches": tally.batches,
-        "images": tally.images,
-        "megapixels": tally.megapixels,
-        "text_tokens": tally.text_tokens,
-        "vision_tokens": tally.vision_tokens,
-        "rates": {
-            "samples_per_s": tally.samples / wall,
-            "images_per_s": tally.images / wall,
-            "megapixels_per_s": tally.megapixels / wall,
-            "text_tokens_per_s": tally.text_tokens / wall,
-            "vision_tokens_per_s": tally.vision_tokens / wall,
-            "micro_batches_per_s": tally.batches / wall,
-        },
-        "per_sample": {
-            "images": tally.images / n,
-            "megapixels": tally.megapixels / n,
-            "text_tokens": tally.text_tokens / n,
-            "vision_tokens": tally.vision_tokens / n,
-        },
+        **content,
+        "rates": {f"{k}_per_s": v / wall for k, v in
+                  {"samples": tally.samples, **content, "micro_batches": tally.batches}.items()},
+        "per_sample": {k: v / n for k, v in content.items()},
         "samples_per_micro_batch": tally.samples / nb,
         "packing_efficiency": tally.real_tokens / max(1, tally.row_tokens),
         "stages": stages,

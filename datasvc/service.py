@@ -269,6 +269,7 @@ class Feeder:
         self._blocked_since: float | None = None
         self.decisions: list[dict] = []
         self._stop = False
+        self._stopping = threading.Event()  # wakes the autoscaler at once on shutdown
         self._thread = threading.Thread(target=self._produce, name=f"feeder-{rank}", daemon=True)
         self._thread.start()
         # Its own thread: the producer cannot notice it is blocked while it is blocked.
@@ -336,6 +337,7 @@ class Feeder:
 
     def shutdown(self) -> None:
         self._stop = True
+        self._stopping.set()
         with self.cond:
             self.cond.notify_all()
         self._thread.join(timeout=10)
@@ -469,7 +471,8 @@ class Feeder:
                          self._waited_total(), self._blocked_total(),
                          {k: v["seconds"] for k, v in self.times.as_dict().items()})
             t0 = time.monotonic()
-            time.sleep(self.cfg.autoscale_interval_s)
+            if self._stopping.wait(self.cfg.autoscale_interval_s):
+                return
             waited, blocked = self._waited_total(), self._blocked_total()
             with self.pool.lock:
                 if self.end is None:
