@@ -109,3 +109,17 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
     assert acct["read"] >= acct["delivered"] > 0
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 12 and all("data_wait_s" in l and "tokens_per_s" in l for l in lines)
+
+
+def test_gpu_decode_shares_never_overcommit_a_gpu():
+    import pytest
+
+    from trainer.run import gpu_shares
+
+    assert gpu_shares("cpu", "megatron", 8, 8, 4)[0] == 1.0
+    for world, dp, max_actors in ((1, 1, 8), (8, 8, 2), (8, 2, 3), (2, 1, 1)):
+        rank, actor = gpu_shares("gpu", "megatron", world, dp, max_actors)
+        assert rank > 0.5  # two ranks can never be placed on one GPU
+        assert abs(world * rank + dp * max_actors * actor - world) < 1e-9  # every actor fits, nothing left over
+    with pytest.raises(SystemExit, match="--decode cpu"):
+        gpu_shares("gpu", "cpu", 2, 2, 2)

@@ -48,6 +48,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def gpu_shares(decode: str, backend: str, world: int, dp: int, max_actors: int) -> tuple[float, float]:
+    """(GPU per trainer rank, GPU per preprocessing actor). With GPU decode the ranks take
+    TRAINER_GPU_SHARE of each GPU and the data actors of all DP ranks split the rest."""
+    if decode != "gpu":
+        return 1.0, 0.25  # the actor share is unused by CPU decode
+    if backend != "megatron":
+        raise SystemExit("--decode gpu needs GPUs in the cluster; use --decode cpu")
+    return TRAINER_GPU_SHARE, (1 - TRAINER_GPU_SHARE) * world / (dp * max_actors)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -102,13 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from datasvc.samples import default_shards
 
     shards = tuple(args.shards or default_shards())
-    # GPU decode shares each rank's GPU: ranks take TRAINER_GPU_SHARE of it, a rank's pool the rest.
-    gpu_per_rank, decode_share = 1.0, 0.25
-    if args.decode == "gpu":
-        if backend != "megatron":
-            raise SystemExit("--decode gpu needs GPUs in the cluster; use --decode cpu")
-        gpu_per_rank = TRAINER_GPU_SHARE
-        decode_share = (1 - TRAINER_GPU_SHARE) * world / dp / args.data_actors[1]
+    gpu_per_rank, decode_share = gpu_shares(args.decode, backend, world, dp, args.data_actors[1])
     pipe_opts = {"max_pixels": args.max_pixels or (1024 * 1024 if backend == "megatron" else 256 * 256)}
     if args.min_pixels or pipe_opts["max_pixels"] < 65536:
         pipe_opts["min_pixels"] = args.min_pixels or min(65536, pipe_opts["max_pixels"])
