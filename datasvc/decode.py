@@ -170,10 +170,6 @@ class CpuDecoder:
                         results[i] = ImageRejected("corrupt_image", str(exc).splitlines()[0][:200])
         return results  # type: ignore[return-value]
 
-    def decode(self, jobs: list[DecodeJob]) -> list[np.ndarray | ImageRejected]:
-        """uint8 [th, tw, 3] RGB per job at its target size, or the reason it failed."""
-        return [self._finish(job, img, None) for job, img in zip(jobs, self._decode_full(jobs))]
-
     def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
                    timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
         t0 = time.perf_counter()
@@ -188,13 +184,12 @@ class CpuDecoder:
         return out
 
     @staticmethod
-    def _finish(job: DecodeJob, img, spec: VisionSpec | None):
+    def _finish(job: DecodeJob, img, spec: VisionSpec):
         if not isinstance(img, np.ndarray):
             return img
         if img.shape[:2] != (job.header.height, job.header.width):
             return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header")
-        img = resize_uint8(img, job.target_hw)
-        return img if spec is None else patchify(img, spec)
+        return patchify(resize_uint8(img, job.target_hw), spec)
 
 
 def _pil_or_reject(data: bytes) -> np.ndarray | ImageRejected:
