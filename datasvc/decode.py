@@ -1,7 +1,8 @@
-"""Image decode and resize to the pipeline's target size, with NVIDIA DALI on CPU or GPU.
+"""Image decode, resize to the pipeline's target size and patchify, with NVIDIA DALI on CPU or GPU.
 
 Stages: ``probe`` reads the header only (size, format, mode) so the pixel cap applies before any
-decode; the backend decodes and resizes to the exact smart-resize target and returns uint8 HWC RGB.
+decode; a backend's ``to_patches`` decodes, resizes to the exact smart-resize target and returns
+uint8 patch rows in ``vision.patchify`` order.
 
 Why the CPU backend resizes with OpenCV: measured here on one core, DALI's CPU bicubic antialiased
 resize runs at 11-12 img/s on 1.7 MP photos while its decode runs at ~100; OpenCV's SIMD cubic
