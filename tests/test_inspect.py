@@ -9,8 +9,10 @@ import tarfile
 import numpy as np
 import pytest
 
+from pipelines.qwen3vl import TOKENS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMAGE_PAD = 151655
+IMAGE_PAD = TOKENS.image_pad
 
 
 def _add(tar, name, data):

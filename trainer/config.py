@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pipelines.qwen3vl import VOCAB_SIZE
+
 
 class ConfigError(ValueError):
     """An invalid combination of options; the message lists every problem and what to change."""
@@ -37,7 +39,7 @@ class Qwen3VLArch:
     moe_topk: int = 8
     moe_ffn_hidden_size: int
     dense_ffn_hidden_size: int  # HF ``intermediate_size``; unused by all-MoE layers but part of the config
-    vocab_size: int = 151936
+    vocab_size: int = VOCAB_SIZE
     rope_theta: float = 5_000_000.0
     mrope_section: tuple[int, int, int] = (24, 20, 20)
     max_position_embeddings: int = 262144

@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipelines.qwen3vl import TOKENS, VIDEO_PAD, VOCAB_SIZE
+
 log = logging.getLogger("vlmfeed.trainer.cpu")
 
-IMAGE_PAD = 151655
+IMAGE_PAD = TOKENS.image_pad
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +36,7 @@ class CpuModelConfig:
     vision_depth: int = 2
     vision_hidden: int = 128
     vision_heads: int = 4
-    vocab_size: int = 151936
+    vocab_size: int = VOCAB_SIZE
 
 
 def _mrope_section(head_dim: int) -> list[int]:
@@ -61,7 +63,8 @@ def build_model(cfg: CpuModelConfig, seed: int):
         vision_config=dict(depth=cfg.vision_depth, hidden_size=cfg.vision_hidden, intermediate_size=cfg.vision_hidden * 2,
                            num_heads=cfg.vision_heads, out_hidden_size=cfg.hidden_size, patch_size=16,
                            temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0]),
-        image_token_id=IMAGE_PAD, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=TOKENS.vision_start,
+        vision_end_token_id=TOKENS.vision_end,
     )
     config._attn_implementation = "sdpa"
     return Qwen3VLMoeForConditionalGeneration(config)

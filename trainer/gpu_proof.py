@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
 
 
@@ -46,18 +47,18 @@ def synthetic_sample(rng: torch.Generator, grids: list[tuple[int, int, int]], n_
     """(tokens, labels, grids): text, image spans, text. Labels are next tokens on text only."""
     ids = torch.randint(1000, 150000, (n_before,), generator=rng).tolist()
     for t, h, w in grids:
-        ids += [151652] + [151655] * (t * h * w // 4) + [151653]
+        ids += [TOKENS.vision_start] + [TOKENS.image_pad] * (t * h * w // 4) + [TOKENS.vision_end]
     ids += torch.randint(1000, 150000, (n_after,), generator=rng).tolist()
     tokens = torch.tensor(ids)
     labels = torch.cat([tokens[1:], torch.tensor([-100])])
-    labels[(tokens == 151655) | (tokens == 151652)] = -100
+    labels[(tokens == TOKENS.image_pad) | (tokens == TOKENS.vision_start)] = -100
     return tokens, labels, grids
 
 
 def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Generator) -> dict:
     """Pack samples into rows of seq_len the way the data service does (see datasvc.batch)."""
     B, K = len(rows), max(1, max(len(r) for r in rows))
-    tokens = torch.full((B, seq_len), 151643, dtype=torch.long)
+    tokens = torch.full((B, seq_len), TOKENS.pad, dtype=torch.long)
     labels = torch.full((B, seq_len), -100, dtype=torch.long)
     cu = torch.zeros((B, K + 1), dtype=torch.int32)
     grids: list[tuple[int, int, int]] = []
@@ -172,14 +173,16 @@ def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 
         patch_at, image_at = patch_at + n_patch, image_at + n_img
         tk, lb = tokens[None].to(device), labels[None].to(device)
         mask = (lb != -100).float()
-        lb = torch.where(lb == -100, torch.full_like(lb, 151643), lb)
-        spos, _ = get_rope_index(2, 151655, 151656, 151652, tk, image_grid_thw=grid if n_img else None)
+        lb = torch.where(lb == -100, torch.full_like(lb, TOKENS.pad), lb)
+        spos, _ = get_rope_index(2, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, tk,
+                                 image_grid_thw=grid if n_img else None)
         o = model(input_ids=tk, position_ids=spos, attention_mask=None, labels=lb, loss_mask=mask,
                   pixel_values=pix if n_img else None, image_grid_thw=grid if n_img else None)
         alone += per_sample_losses(o, mask, [(0, tk.shape[1])])
 
     # Control: the packed row as one sequence (attention crosses samples, positions run on).
-    whole_pos, _ = get_rope_index(2, 151655, 151656, 151652, p.tokens, image_grid_thw=batch["image_grid_thw"])
+    whole_pos, _ = get_rope_index(2, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, p.tokens,
+                                  image_grid_thw=batch["image_grid_thw"])
     o = model(input_ids=p.tokens, position_ids=whole_pos, attention_mask=None, labels=p.labels,
               loss_mask=p.loss_mask, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
     crossing = per_sample_losses(o, p.loss_mask, p.sample_spans)

@@ -60,16 +60,15 @@ from megatron.bridge.training.utils.visual_inputs import GenericVisualInputs
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_model_config
 
+from datasvc.batch import IGNORE_INDEX
+from pipelines.qwen3vl import TOKENS, VIDEO_PAD as VIDEO_PAD_ID
 from trainer.config import Qwen3VLArch, TrainerConfig
 
 log = logging.getLogger("vlmfeed.megatron")
 
-IGNORE_INDEX = -100
-PAD_ID = 151643  # <|endoftext|>
-IMAGE_PAD_ID = 151655
-VIDEO_PAD_ID = 151656
-VISION_START_ID = 151652
-VISION_END_ID = 151653
+PAD_ID = TOKENS.pad
+IMAGE_PAD_ID = TOKENS.image_pad
+VISION_START_ID = TOKENS.vision_start
 
 
 # ================================================================================================
@@ -99,7 +98,7 @@ def hf_config(arch: Qwen3VLArch):
             deepstack_visual_indexes=list(arch.deepstack_visual_indexes),
         ),
         image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
-        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID,
+        vision_start_token_id=VISION_START_ID, vision_end_token_id=TOKENS.vision_end,
         tie_word_embeddings=False,
     )
     # AutoBridge dispatches on the architecture name, which a freshly built config lacks.
