@@ -298,15 +298,13 @@ class GpuDecoder:
         else:
             out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()))
         patches = torch.empty_like(pixels)
-        p, m = spec.patch_size, spec.merge_size
         offset, results = 0, []
         for job, (h, w, c), size in zip(batch, shapes, sizes):
             if (h, w) != job.target_hw:
                 results.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
             else:
-                image = pixels[offset:offset + size].view(h // (p * m), m, p, w // (p * m), m, p, c)
-                patches[offset:offset + size].view(h // (p * m), w // (p * m), m, m, c, p, p).copy_(
-                    image.permute(0, 3, 1, 4, 6, 2, 5))
+                image = pixels[offset:offset + size].view(h, w, c)
+                patches[offset:offset + size].view(-1, spec.patch_dim).copy_(patchify(image, spec))
                 results.append((offset, size))
             offset += size
         host = patches

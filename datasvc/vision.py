@@ -87,18 +87,20 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def patchify(image: np.ndarray, spec: VisionSpec) -> np.ndarray:
+def patchify(image, spec: VisionSpec):
     """uint8 HWC image (sides multiples of patch*merge) -> uint8 [h*w, 3*P*P], merge-window order.
 
     Row order matches the HF processor: merge windows row-major, the 2x2 patches of a window
-    consecutive; within a row, channel-major then patch rows.
+    consecutive; within a row, channel-major then patch rows. Takes numpy arrays and torch tensors
+    (on any device), so the GPU decoder patchifies where it decoded.
     """
     height, width, channels = image.shape
     p, m = spec.patch_size, spec.merge_size
     gh, gw = height // p, width // p
     x = image.reshape(gh // m, m, p, gw // m, m, p, channels)
-    x = x.transpose(0, 3, 1, 4, 6, 2, 5)
-    return np.ascontiguousarray(x).reshape(gh * gw, channels * p * p)
+    order = (0, 3, 1, 4, 6, 2, 5)
+    x = np.ascontiguousarray(x.transpose(order)) if isinstance(x, np.ndarray) else x.permute(order).contiguous()
+    return x.reshape(gh * gw, channels * p * p)
 
 
 def to_pixel_values(patches, spec: VisionSpec, dtype=None):

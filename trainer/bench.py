@@ -59,7 +59,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     from datasvc.bench import photo_set
     from datasvc.decode import CpuDecoder, DecodeJob, GpuDecoder, probe
-    from datasvc.vision import VisionSpec, to_pixel_values
+    from datasvc.vision import VisionSpec, patchify, to_pixel_values
 
     spec = VisionSpec(max_pixels=16777216)
     photos = photo_set(n_images, min_mp=1.0, max_mp=2.0)
@@ -99,15 +99,13 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     def torchvision_patches(host: bool):
         """nvJPEG batched decode, bicubic antialiased resize and patchify in torch, all on the GPU."""
-        out, p, m = [], spec.patch_size, spec.merge_size
+        out = []
         for i in range(0, len(data), batch):
             images = torchvision.io.decode_jpeg(data[i:i + batch], device="cuda", mode=torchvision.io.ImageReadMode.RGB)
             for img, job in zip(images, jobs[i:i + batch]):
-                th, tw = job.target_hw
-                x = F.interpolate(img[None].float(), size=(th, tw), mode="bicubic", antialias=True)
+                x = F.interpolate(img[None].float(), size=job.target_hw, mode="bicubic", antialias=True)
                 x = x.round_().clamp_(0, 255).to(torch.uint8)[0]  # [3, th, tw]
-                x = x.view(3, th // (p * m), m, p, tw // (p * m), m, p).permute(1, 4, 2, 5, 0, 3, 6)
-                out.append(x.reshape(-1, spec.patch_dim))
+                out.append(patchify(x.permute(1, 2, 0), spec))
         if host:
             out = [torch.empty(t.shape, dtype=torch.uint8, pin_memory=True).copy_(t, non_blocking=True) for t in out]
         torch.cuda.synchronize()
