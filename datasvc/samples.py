@@ -76,11 +76,11 @@ def write_photo_shards(out_dir: str, samples_per_shard: int = 6, copies: int = 1
 
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(0)
-    photos = real_photos()
+    originals = real_photos()
     samples = []
     for c in range(copies):
-        if crops and c:
-            photos = [(name, crop_variant(img, rng), caption) for name, img, caption in real_photos()]
+        photos = [(name, crop_variant(img, rng), caption) for name, img, caption in originals] if crops and c \
+            else originals
         for name, img, caption in photos:
             fmt = "png" if img.ndim == 3 and img.shape[2] == 4 else "jpg"
             samples.append({"__key__": f"{name}_{c:03d}", fmt: encode_image(img, fmt), "txt": caption})
