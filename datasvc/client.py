@@ -17,6 +17,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
+from datasvc.registry import get_layout
 from datasvc.service import DataServiceError, End, EndOfData, feeder_name, start_feeder
 from datasvc.vision import to_pixel_values
 
@@ -30,7 +31,7 @@ class DataClient:
             raise ValueError("output must be 'torch' or 'numpy'")
         self.cfg, self.dp_rank, self.consumer, self.run = cfg, dp_rank, consumer, run
         self.device, self.output, self.pixel_dtype = device, output, pixel_dtype
-        self._spec = None
+        self._spec = get_layout(cfg.pipeline, **cfg.pipeline_options).vision
         self._next_step = 0
         self._last_pos: dict | None = None
         self._fetched_pos: dict | None = None
@@ -193,10 +194,6 @@ class DataClient:
                 t = t.pin_memory().to(self.device, non_blocking=True)
             return t
 
-        from datasvc.registry import get_layout
-
-        if self._spec is None:
-            self._spec = get_layout(self.cfg.pipeline, **self.cfg.pipeline_options).vision
         patches = tensor(packed.patches)
         dtype = getattr(torch, self.pixel_dtype)
         return {
