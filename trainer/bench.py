@@ -173,7 +173,7 @@ def run_case(name: str, shards: list[str], extra: list[str], address: str, out: 
     cmd = [sys.executable, "-m", "trainer.run", "qwen3vl", "--address", address, "--out", case_out,
            "--shards", *shards, "--data-actors", "2", "8", *PROXY, *world, *extra]
     t0 = time.time()
-    print(f"[bench] {name}: {' '.join(cmd[3:])}", flush=True)
+    print(f"[bench] {name}: {len(shards)} shards, {' '.join(extra)}", flush=True)
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
