@@ -97,6 +97,7 @@ def test_defaults_are_valid():
     (4, proxy(parallel=ParallelConfig(cp=4), train=TrainConfig(mbs=1, gbs=1, seq_len=4100)), "2*CP"),
     (1, proxy(model=ModelConfig(num_layers=4, hf_path="Qwen/Qwen3-VL-30B-A3B-Instruct")), "--hf-path"),
     (1, proxy(model=ModelConfig(num_layers=4, vision_depth=8)), "deepstack taps"),
+    (1, proxy(model=ModelConfig(num_layers=4, vision_chunk_patches=-1)), "--vision-chunk-patches"),
 ])
 def test_validation_says_what_to_change(world, cfg, needle):
     with pytest.raises(ConfigError) as err:
@@ -202,6 +203,9 @@ def test_knobs_reach_the_provider(mb, monkeypatch):
     assert m.cuda_graph_impl == "transformer_engine"
     assert [s.name for s in m.cuda_graph_modules] == ["moe_router", "moe_preprocess"]
     assert m.freeze_vision_model and not m.freeze_language_model and not m.freeze_vision_projection
+    hooks = len(getattr(m, "_pre_wrap_hooks", []))
+    chunked = mb.build_provider(proxy(model=ModelConfig(num_layers=4, vision_chunk_patches=16384)))
+    assert len(chunked._pre_wrap_hooks) == hooks + 1
 
     # The flex dispatcher: Bridge's runtime check asks the GPU's architecture, so on CPU only the
     # provider fields are checked.

@@ -44,6 +44,15 @@ GROUPS = {
                  _case("3d", "real-large", 8, 10, "--recompute", "full", "--freeze-vision-model",
                        label="recompute-frozen-vision")],
     "gpu-decode-train": [_case("3d", "real-large", 2, 20, "--decode", "gpu", label="gpu-decode")],
+    # Session 3: the vision tower over at most 16k patches at a time (whole images), against one
+    # call per micro-batch at MBS 4 (same run), and at MBS 8 where one call ran out of memory.
+    "vision-chunks": [_case("3d", "real-large", 4, 12, "--recompute", "full", label="recompute"),
+                      _case("3d", "real-large", 4, 12, "--recompute", "full", "--vision-chunk-patches", "16384",
+                            label="recompute-vchunk"),
+                      _case("3d", "real-large", 8, 10, "--recompute", "full", "--vision-chunk-patches", "16384",
+                            label="recompute-vchunk"),
+                      _case("fsdp", "real-large", 8, 8, "--recompute", "full", "--vision-chunk-patches", "16384",
+                            label="recompute-vchunk")],
     # Two GPUs against one GPU in the same run: EP2 under 3d (experts split, data-parallel otherwise)
     # and Megatron-FSDP sharding across both. Per-GPU tokens/s over the 1-GPU case is the scaling.
     "two-gpus": [_case("3d", "real-large", 2, 12, "--world-size", "2", "--ep", "2", label="ep2-2gpu"),

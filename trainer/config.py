@@ -82,6 +82,9 @@ class ModelConfig:
     freeze_language_model: bool = False
     freeze_vision_model: bool = False
     freeze_vision_projection: bool = False
+    # Run the vision tower over at most this many patches of a micro-batch at a time (whole images;
+    # 0 = all at once). Bounds the tower's transient attention memory at large MBS.
+    vision_chunk_patches: int = 0
 
     def arch(self) -> Qwen3VLArch:
         """The preset with the overrides applied."""
@@ -192,6 +195,8 @@ def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
                    "(they would not match its weights) or drop --hf-path for a random-init proxy")
     if m.freeze_language_model and m.freeze_vision_model and m.freeze_vision_projection:
         out.append("everything is frozen (language model, vision model and projection): nothing to train")
+    if m.vision_chunk_patches < 0:
+        out.append(f"--vision-chunk-patches must be >= 0 (0 = no chunking), not {m.vision_chunk_patches}")
 
     # --- parallel sizes -------------------------------------------------------------------------
     for name in ("tp", "pp", "cp", "ep"):
@@ -348,6 +353,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _bool_flag(g, "--freeze-language-model", False, "freeze the language model")
     _bool_flag(g, "--freeze-vision-model", False, "freeze the vision tower")
     _bool_flag(g, "--freeze-vision-projection", False, "freeze the vision projection (mergers)")
+    g.add_argument("--vision-chunk-patches", type=int, default=d.model.vision_chunk_patches,
+                   help="run the vision tower over at most this many patches at a time, whole images "
+                        "(0 = a micro-batch's images at once); lowers its peak memory at large MBS")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--strategy", choices=["fsdp", "3d"], default=d.parallel.strategy)
@@ -394,6 +402,7 @@ def from_args(args: argparse.Namespace) -> TrainerConfig:
             vision_depth=args.vision_depth, hf_path=args.hf_path,
             freeze_language_model=args.freeze_language_model, freeze_vision_model=args.freeze_vision_model,
             freeze_vision_projection=args.freeze_vision_projection,
+            vision_chunk_patches=args.vision_chunk_patches,
         ),
         parallel=ParallelConfig(strategy=args.strategy, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp,
                                 ep=args.ep, etp=args.etp),

@@ -63,6 +63,7 @@ from megatron.core.utils import get_model_config
 from datasvc.batch import IGNORE_INDEX
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD as VIDEO_PAD_ID
 from trainer.config import Qwen3VLArch, TrainerConfig
+from trainer.vision_chunks import chunk_vision_hook
 
 log = logging.getLogger("vlmfeed.megatron")
 
@@ -129,6 +130,8 @@ def build_provider(cfg: TrainerConfig):
     provider.freeze_language_model = m.freeze_language_model
     provider.freeze_vision_model = m.freeze_vision_model
     provider.freeze_vision_projection = m.freeze_vision_projection
+    if m.vision_chunk_patches:
+        provider.register_pre_wrap_hook(chunk_vision_hook(m.vision_chunk_patches))
     # Packed rows hold different numbers of supervised tokens; averaging per token over the whole
     # global batch weighs every token equally (and CP requires it for Qwen3-VL anyway).
     provider.calculate_per_token_loss = True
