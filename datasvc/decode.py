@@ -24,7 +24,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from datasvc.vision import ImageRejected, VisionSpec, patchify
+from datasvc.vision import ImageRejected, VisionSpec, patchify, to_pixel_values
 
 # Our own cap (VisionSpec.max_decode_pixels) is checked on the header; PIL's warning adds nothing.
 Image.MAX_IMAGE_PIXELS = None
@@ -218,7 +218,8 @@ class _Batches:
 
 class GpuDecoder:
     """DALI ``mixed`` decode (hardware JPEG decoder, nvJPEG) and resize on the GPU, patchified there
-    too, so the only copy to the host is one pinned transfer of uint8 patch rows per batch.
+    too. ``to_patches`` copies uint8 patch rows to the host once per batch, through one pinned
+    staging buffer; ``to_pixel_values`` keeps everything on the GPU and normalizes there.
 
     The DALI pipeline runs asynchronously and pipelined over the batches of a call (one DALI epoch
     per call), so decoding batch k+1 overlaps the patchify and copy of batch k. Images the GPU decoder
@@ -243,6 +244,7 @@ class GpuDecoder:
         self._cpu = CpuDecoder(num_threads=num_threads, max_batch=max_batch)
         self._source = _Batches()
         self._lock = threading.Lock()
+        self._staging = None  # pinned host buffer for to_patches, reused across batches and calls
         self._build()
 
     def _build(self) -> None:
@@ -264,73 +266,88 @@ class GpuDecoder:
         self._pipe = decode_pipeline()
         self._pipe.build()
 
-    def _epoch(self, batches: list[list[DecodeJob]], spec: VisionSpec, emit) -> int:
-        """Run ``batches`` through the pipeline, ``emit(k, patches)`` per batch; returns how many
-        batches came out before DALI raised (all of them when it did not)."""
+    def _epoch(self, batches: list[list[DecodeJob]], finish: Callable, emit: Callable) -> int:
+        """Run ``batches`` through the pipeline, ``emit(k, finish(dali_output, batches[k]))`` per
+        batch; returns how many batches came out before DALI raised (all of them when it did not)."""
         self._source.pending = batches
-        done = 0
-        try:
-            while done < len(batches):
-                (out,) = self._pipe.run()
-                emit(done, self._patchify(out, batches[done], spec))
-                done += 1
+        for done, batch in enumerate(batches):
             try:
-                self._pipe.run()  # drain: the source is empty, so this ends the DALI epoch
-            except StopIteration:
-                pass
-            self._pipe.reset()
+                (out,) = self._pipe.run()
+            except RuntimeError:
+                self._build()  # a DALI pipeline that raised stays broken: start a fresh one
+                return done
+            try:
+                emit(done, finish(out, batch))
+            except BaseException:
+                self._build()  # the pipeline still holds prefetched batches of this call
+                raise
+        try:
+            self._pipe.run()  # drain: the source is empty, so this ends the DALI epoch
+        except StopIteration:
+            pass
         except RuntimeError:
-            self._build()  # a DALI pipeline that raised stays broken: start a fresh one
-        return done
+            self._build()  # every batch came out, but the pipeline is broken all the same
+            return len(batches)
+        self._pipe.reset()
+        return len(batches)
 
-    def _patchify(self, out, batch: list[DecodeJob], spec: VisionSpec) -> list:
-        """One DALI output batch -> uint8 patch rows per image, copied to (pinned) host memory."""
+    def _patch_rows(self, out, batch: list[DecodeJob], spec: VisionSpec) -> tuple:
+        """One DALI output batch -> the uint8 patch rows of all its images in one tensor on the
+        decoder's device, and per image its (first, end) row span or why it was rejected."""
         import torch
 
         shapes = [tuple(s) for s in out.shape()]
-        sizes = [h * w * c for h, w, c in shapes]
-        pixels = torch.empty(sum(sizes), dtype=torch.uint8, device=self._torch_device)
-        on_gpu = self._torch_device.type == "cuda"
-        if on_gpu:
+        pixels = torch.empty(sum(h * w * c for h, w, c in shapes), dtype=torch.uint8, device=self._torch_device)
+        if self._torch_device.type == "cuda":
             stream = torch.cuda.current_stream(self._torch_device)
             # Blocking: DALI reuses its output buffers on the next run().
             out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
         else:
             out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()))
-        patches = torch.empty_like(pixels)
-        offset, results = 0, []
-        for job, (h, w, c), size in zip(batch, shapes, sizes):
+        offset, rows, parts, spans = 0, 0, [], []
+        for job, (h, w, c) in zip(batch, shapes):
             if (h, w) != job.target_hw:
-                results.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
+                spans.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
             else:
-                image = pixels[offset:offset + size].view(h, w, c)
-                patches[offset:offset + size].view(-1, spec.patch_dim).copy_(patchify(image, spec))
-                results.append((offset, size))
-            offset += size
-        host = patches
-        if on_gpu:
-            host = torch.empty(patches.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(patches, non_blocking=True)
-            torch.cuda.current_stream(self._torch_device).synchronize()
-        flat = host.numpy()
-        return [r if isinstance(r, ImageRejected) else flat[r[0]:r[0] + r[1]].reshape(-1, spec.patch_dim)
-                for r in results]
+                parts.append(patchify(pixels[offset:offset + h * w * c].view(h, w, c), spec))
+                spans.append((rows, rows + len(parts[-1])))
+                rows += len(parts[-1])
+            offset += h * w * c
+        patches = torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))
+        return patches, spans
 
-    def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
-                   timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+    def _host_patches(self, out, batch: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
+        import torch
+
+        patches, spans = self._patch_rows(out, batch, spec)
+        if patches.is_cuda:
+            n = patches.numel()
+            if self._staging is None or self._staging.numel() < n:
+                # Headroom, so that a slightly larger batch later does not pin a new buffer.
+                self._staging = torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True)
+            host = self._staging[:n]
+            host.copy_(patches.view(-1), non_blocking=True)
+            torch.cuda.current_stream(self._torch_device).synchronize()
+            patches = host.view(-1, spec.patch_dim)
+        rows = patches.numpy().copy()  # the staging buffer is overwritten by the next batch
+        return [s if isinstance(s, ImageRejected) else rows[s[0]:s[1]] for s in spans]
+
+    def _decode(self, jobs: list[DecodeJob], spec: VisionSpec, finish: Callable, timer: Timer | None) -> list:
+        """``finish(dali_output, batch)`` per DALI batch, in job order. Images DALI cannot take, and
+        the batches it rejects, come back as the CPU decoder's uint8 patch rows or ImageRejected."""
         t0 = time.perf_counter()
-        results: list[np.ndarray | ImageRejected | None] = [None] * len(jobs)
+        results: list = [None] * len(jobs)
         gpu_idx = [i for i, j in enumerate(jobs) if not _needs_pil(j.header)]
         cpu_idx = [i for i, j in enumerate(jobs) if _needs_pil(j.header)]
         index_batches = [gpu_idx[s:s + self.max_batch] for s in range(0, len(gpu_idx), self.max_batch)]
 
-        def emit(k: int, patches: list) -> None:
-            for i, p in zip(index_batches[k], patches):
-                results[i] = p
+        def emit(k: int, outputs: list) -> None:
+            for i, o in zip(index_batches[k], outputs):
+                results[i] = o
 
         with self._lock:
             while index_batches:
-                done = self._epoch([[jobs[i] for i in b] for b in index_batches], spec, emit)
+                done = self._epoch([[jobs[i] for i in b] for b in index_batches], finish, emit)
                 if done == len(index_batches):
                     break
                 cpu_idx.extend(index_batches[done])  # the batch DALI raised on
@@ -340,7 +357,32 @@ class GpuDecoder:
         if cpu_idx:
             for i, p in zip(cpu_idx, self._cpu.to_patches([jobs[i] for i in cpu_idx], spec, timer)):
                 results[i] = p
-        return results  # type: ignore[return-value]
+        return results
+
+    def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
+                   timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+        return self._decode(jobs, spec, lambda out, batch: self._host_patches(out, batch, spec), timer)
+
+    def to_pixel_values(self, jobs: list[DecodeJob], spec: VisionSpec, dtype=None,
+                        timer: Timer | None = None) -> list:
+        """Normalized ``pixel_values`` [h*w, spec.pixel_values_dim] per job (``vision.to_pixel_values``
+        of its patch rows), on the decoder's device, or why it failed; ``dtype`` None is bfloat16.
+
+        Nothing goes through the host but the encoded bytes. Each batch is normalized in one go, so
+        an image's tensor is a view of its batch's: keeping one keeps the batch's memory.
+        """
+        import torch
+
+        dtype = torch.bfloat16 if dtype is None else dtype
+
+        def finish(out, batch: list[DecodeJob]) -> list:
+            patches, spans = self._patch_rows(out, batch, spec)
+            values = to_pixel_values(patches, spec, dtype)
+            return [s if isinstance(s, ImageRejected) else values[s[0]:s[1]] for s in spans]
+
+        results = self._decode(jobs, spec, finish, timer)
+        return [to_pixel_values(torch.from_numpy(r).to(self._torch_device), spec, dtype)
+                if isinstance(r, np.ndarray) else r for r in results]
 
 
 def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int = 0) -> Decoder:

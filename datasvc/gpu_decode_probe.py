@@ -1,5 +1,6 @@
-"""Where DALI GPU decode time goes on one GPU: sync vs pipelined, with and without resize, against
-torchvision nvJPEG, on the same JPEGs. ``python -m datasvc.gpu_decode_probe --out DIR``."""
+"""Where DALI GPU decode time goes on one GPU: sync vs pipelined, with and without resize (cubic as
+GpuDecoder does, or linear), against torchvision nvJPEG, on the same JPEGs.
+``python -m datasvc.gpu_decode_probe --out DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
             yield batches[i % len(batches)]
             i += 1
 
-    def build(pipelined: bool, resize: bool, threads: int = 4, hw_load: float = 0.65):
+    def build(pipelined: bool, resize: bool, threads: int = 4, hw_load: float = 0.65, interp=types.INTERP_CUBIC):
         src = source()
 
         @pipeline_def(batch_size=B, num_threads=threads, device_id=0, exec_async=pipelined,
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
                                            dtype=[types.UINT8, types.FLOAT])
             img = fn.decoders.image(enc, device="mixed", output_type=types.RGB, hw_decoder_load=hw_load)
             if resize:
-                img = fn.resize(img, size=size, interp_type=types.INTERP_CUBIC, antialias=True, dtype=types.UINT8)
+                img = fn.resize(img, size=size, interp_type=interp, antialias=True, dtype=types.UINT8)
             return img
 
         p = pipe()
@@ -72,6 +73,10 @@ def main(argv=None) -> int:
                          ("pipelined_decode", dict(pipelined=True, resize=False), False),
                          ("pipelined_decode_hw0.9", dict(pipelined=True, resize=False, hw_load=0.9), False),
                          ("pipelined_decode_resize", dict(pipelined=True, resize=True), False),
+                         # At GpuDecoder's load: if cubic is well below linear, the resize limits it.
+                         ("pipelined_decode_resize_hw0.9", dict(pipelined=True, resize=True, hw_load=0.9), False),
+                         ("pipelined_decode_resize_linear_hw0.9",
+                          dict(pipelined=True, resize=True, hw_load=0.9, interp=types.INTERP_LINEAR), False),
                          ("pipelined_decode_resize_copyback", dict(pipelined=True, resize=True), True)]:
         try:
             measure(name, build(**kw), copy_back=cb)

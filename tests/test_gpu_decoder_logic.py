@@ -5,12 +5,13 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from datasvc.decode import CpuDecoder, GpuDecoder
+from datasvc.decode import CpuDecoder, DecodeJob, GpuDecoder, probe
 from datasvc.process import preprocess_images
 from datasvc.samples import encode_image, real_photos
-from datasvc.vision import ImageRejected, VisionSpec
+from datasvc.vision import ImageRejected, VisionSpec, to_pixel_values
 
 SPEC = VisionSpec(min_pixels=64 * 64, max_pixels=160 * 160)
 
@@ -29,6 +30,21 @@ def cmyk_jpeg() -> bytes:
     b = io.BytesIO()
     Image.fromarray(np.full((96, 80, 3), 120, np.uint8)).convert("CMYK").save(b, "JPEG")
     return b.getvalue()
+
+
+def rgba_png() -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (120, 100, 4), dtype=np.uint8)).save(b, "PNG")
+    return b.getvalue()
+
+
+def jobs_for(blobs: list[bytes]) -> list[DecodeJob]:
+    headers = [probe(b, SPEC.max_decode_pixels) for b in blobs]
+    return [DecodeJob(b, h, SPEC.target_size(h.height, h.width)) for b, h in zip(blobs, headers)]
+
+
+def normalized(patches: np.ndarray, dtype=torch.bfloat16) -> torch.Tensor:
+    return to_pixel_values(torch.from_numpy(patches), SPEC, dtype)
 
 
 def test_patches_match_cpu_backend(blobs, decoders):
@@ -63,3 +79,36 @@ def test_stage_times_reported(blobs, decoders):
     times = StageTimes()
     preprocess_images(blobs[:5], SPEC, decoders[0], times)
     assert times.counts["decode"] == 5 and times.seconds["decode"] > 0
+
+
+def test_pixel_values_equal_normalized_patches(blobs, decoders):
+    gpu, _ = decoders
+    jobs = jobs_for(blobs[:6])  # a full batch and a partial one
+    ours, patches = gpu.to_pixel_values(jobs, SPEC), gpu.to_patches(jobs, SPEC)
+    assert len(ours) == len(jobs)
+    for values, p in zip(ours, patches):
+        assert values.dtype == torch.bfloat16 and values.device.type == "cpu"
+        assert torch.equal(values, normalized(p))
+
+
+def test_pixel_values_in_job_order_with_fallbacks(blobs, decoders):
+    gpu, cpu = decoders
+    truncated = blobs[1][: len(blobs[1]) // 3]
+    jobs = jobs_for(blobs[:3] + [cmyk_jpeg(), truncated, rgba_png()] + blobs[3:8])
+    pil_needed, corrupt = (3, 5), 4
+    ours = gpu.to_pixel_values(jobs, SPEC, torch.float32)
+    assert len(ours) == len(jobs)
+    assert isinstance(ours[corrupt], ImageRejected) and ours[corrupt].reason == "corrupt_image"
+    assert ours[corrupt].detail
+    for i in pil_needed:
+        assert torch.equal(ours[i], normalized(cpu.to_patches([jobs[i]], SPEC)[0], torch.float32))
+    patches = gpu.to_patches(jobs, SPEC)
+    for i, job in enumerate(jobs):
+        if i == corrupt:
+            continue
+        assert torch.equal(ours[i], normalized(patches[i], torch.float32))
+        # Each image decoded alone cannot be misplaced. The corrupt image's batch-mates were redone by
+        # the CPU decoder (another resize kernel): a few levels off, where another photo is tens off.
+        alone = normalized(gpu.to_patches([job], SPEC)[0], torch.float32)
+        assert ours[i].shape == alone.shape
+        assert (ours[i] - alone).abs().mean() < 4 / 127.5

@@ -7,6 +7,7 @@ against one Ray head; results are read back from each job's summary.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -64,7 +65,8 @@ GROUPS = {
 
 def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     """Bytes -> uint8 patch rows in host memory (what the service ships) and -> bf16 ``pixel_values``
-    on the GPU, for DALI GPU, DALI CPU on every host core and torchvision nvJPEG, same 1-2 MP JPEGs."""
+    on the GPU, for DALI GPU, DALI CPU on every host core and torchvision nvJPEG, same 1-2 MP JPEGs;
+    decode alone for DALI and torchvision, to see what resize, patchify and copies add."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -108,6 +110,10 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         torch.cuda.synchronize()
         return rows
 
+    def synchronized(result):
+        torch.cuda.synchronize()
+        return result
+
     data = [torch.frombuffer(bytearray(j.data), dtype=torch.uint8) for j in jobs]
 
     def torchvision_patches(host: bool):
@@ -128,21 +134,50 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     cpu = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch)
     g = timed("dali_gpu_to_host_patches", lambda: gpu.to_patches(jobs, spec))
     timed("dali_gpu_to_gpu_pixel_values", lambda: to_gpu_pixel_values(gpu.to_patches(jobs, spec)))
+    timed("dali_gpu_resident_pixel_values", lambda: synchronized(gpu.to_pixel_values(jobs, spec)))
     c = timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_patches(jobs, spec), repeats=2)
     timed("torchvision_nvjpeg_to_host_patches", lambda: torchvision_patches(host=True))
     timed("torchvision_nvjpeg_to_gpu_pixel_values",
           lambda: [to_pixel_values(t, spec, torch.bfloat16) for t in torchvision_patches(host=False)])
+
+    @functools.cache
+    def dali_decode_pipeline():
+        """GpuDecoder's decode settings, pipelined over the same batches; outputs stay on the GPU."""
+        from nvidia.dali import fn, pipeline_def, types
+
+        encoded = [np.frombuffer(j.data, dtype=np.uint8) for j in jobs]
+
+        @pipeline_def(batch_size=batch, num_threads=gpu.num_threads, device_id=0, exec_async=True,
+                      exec_pipelined=True, prefetch_queue_depth=2)
+        def decode_pipeline():
+            blobs = fn.external_source(source=[encoded[i:i + batch] for i in range(0, len(encoded), batch)],
+                                       cycle=True, dtype=types.UINT8)
+            return fn.decoders.image(blobs, device="mixed", output_type=types.RGB,
+                                     hw_decoder_load=gpu.hw_decoder_load)
+
+        pipe = decode_pipeline()
+        pipe.build()
+        return pipe
+
+    def dali_decode_only():
+        pipe = dali_decode_pipeline()  # built by the first warm-up, inside timed()
+        for _ in range(0, len(jobs), batch):
+            pipe.run()
+        torch.cuda.synchronize()
 
     def decode_only():
         for i in range(0, len(data), batch):
             torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
         torch.cuda.synchronize()
     timed("torchvision_nvjpeg_decode_only", decode_only)
+    timed("dali_gpu_decode_only", dali_decode_only)
     mads = [float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() / 127.5) for a, b in zip(g, c)
             if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)]
     res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5) if mads else None
     for name in ("to_host_patches", "to_gpu_pixel_values"):
         res[f"dali_gpu_vs_torchvision_{name}"] = ratio(f"dali_gpu_{name}", f"torchvision_nvjpeg_{name}")
+    res["dali_gpu_resident_vs_torchvision_to_gpu_pixel_values"] = ratio("dali_gpu_resident_pixel_values",
+                                                                        "torchvision_nvjpeg_to_gpu_pixel_values")
     res["dali_gpu_vs_dali_cpu_to_host_patches"] = ratio("dali_gpu_to_host_patches", "dali_cpu_all_cores_to_host_patches")
     print("[bench] gpu decode:", json.dumps(res), flush=True)
     with open(os.path.join(out, "gpu_decode.json"), "w") as f:
