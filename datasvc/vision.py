@@ -6,6 +6,7 @@ the model's float ``pixel_values`` only on the consumer, see ``to_pixel_values``
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -103,26 +104,36 @@ def patchify(image, spec: VisionSpec):
     return x.reshape(gh * gw, channels * p * p)
 
 
+def _normalization(spec: VisionSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (scale, shift) with x_norm = x_uint8 * scale - shift, shaped [1, 3, 1, 1]."""
+    mean = np.asarray(spec.image_mean, dtype=np.float32)
+    std = np.asarray(spec.image_std, dtype=np.float32)
+    return (1.0 / (255.0 * std)).reshape(1, 3, 1, 1), (mean / std).reshape(1, 3, 1, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_normalization(spec: VisionSpec, device):
+    # Cached: building these per call is a blocking host-to-device copy on every batch.
+    import torch
+
+    return tuple(torch.as_tensor(c, device=device) for c in _normalization(spec))
+
+
 def to_pixel_values(patches, spec: VisionSpec, dtype=None):
     """uint8 patches [N, 3*P*P] -> normalized float [N, 3*T*P*P], frames repeated like HF.
 
     Works on numpy arrays and torch tensors (on any device), so ranks can expand on the GPU.
     """
-    mean = np.asarray(spec.image_mean, dtype=np.float32)
-    std = np.asarray(spec.image_std, dtype=np.float32)
     n = patches.shape[0]
     pp = spec.patch_size * spec.patch_size
-    scale = (1.0 / (255.0 * std)).reshape(1, 3, 1, 1)
-    shift = (mean / std).reshape(1, 3, 1, 1)
     if isinstance(patches, np.ndarray):
+        scale, shift = _normalization(spec)
         x = patches.reshape(n, 3, 1, pp).astype(np.float32) * scale - shift
         x = np.repeat(x, spec.temporal_patch_size, axis=2)
         out = x.reshape(n, spec.pixel_values_dim)
         return out if dtype is None else out.astype(dtype)
-    import torch
-
-    t_scale = torch.as_tensor(scale, device=patches.device)
-    t_shift = torch.as_tensor(shift, device=patches.device)
-    x = patches.reshape(n, 3, 1, pp).float() * t_scale - t_shift
-    x = x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
-    return x if dtype is None else x.to(dtype)
+    scale, shift = _device_normalization(spec, patches.device)
+    x = patches.reshape(n, 3, 1, pp).float() * scale - shift
+    if dtype is not None:
+        x = x.to(dtype)  # before the temporal repeat: that copy then moves half the bytes
+    return x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
