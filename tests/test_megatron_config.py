@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_cli_round_trip():
     args = parser.parse_args(
         "--strategy 3d --mbs 2 --gbs 16 --seq-len 8192 --num-layers 8 --tp 2 --ep 4 --recompute selective "
         "--recompute-modules core_attn moe_act --cuda-graph-scope moe_router moe_preprocess "
-        "--moe-dispatcher flex --flex-backend hybridep --freeze-vision-model --no-bf16".split())
+        "--moe-dispatcher flex --flex-backend hybridep --freeze-vision-model --no-bf16 "
+        "--vision-chunk-patches 32768 --expandable-segments".split())
     cfg = from_args(args)
     assert cfg.parallel.strategy == "3d" and cfg.parallel.tp == 2 and cfg.parallel.ep == 4
     assert cfg.train.mbs == 2 and cfg.train.gbs == 16 and cfg.train.seq_len == 8192 and not cfg.train.bf16
@@ -66,6 +68,7 @@ def test_cli_round_trip():
     assert cfg.cuda_graph.scope == ["moe_router", "moe_preprocess"]
     assert cfg.moe.dispatcher == "flex" and cfg.moe.flex_backend == "hybridep"
     assert cfg.model.arch().num_layers == 8 and cfg.model.arch().hidden_size == 2048
+    assert cfg.model.vision_chunk_patches == 32768 and cfg.train.expandable_segments
     cfg.validate(8)
 
 
@@ -186,6 +189,21 @@ def test_dataset_helper_compile_is_skipped(mb, monkeypatch):
     monkeypatch.setattr(bridge_init, "compile_helpers", bridge_init.compile_helpers)
     mb._skip_dataset_helper_compile()
     bridge_init.compile_helpers()  # no make, no exit
+
+
+@needs_bridge
+@pytest.mark.parametrize("before, after", [
+    (None, "expandable_segments:True"),
+    ("garbage_collection_threshold:0.8", "garbage_collection_threshold:0.8,expandable_segments:True"),
+    ("expandable_segments:False", "expandable_segments:False"),  # the user's explicit choice stands
+])
+def test_expandable_segments_setting(mb, monkeypatch, before, after):
+    if before is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+    mb.use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
 
 
 @needs_bridge

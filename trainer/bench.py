@@ -54,6 +54,15 @@ GROUPS = {
                             label="recompute-vchunk"),
                       _case("fsdp", "real-large", 8, 8, "--recompute", "full", "--vision-chunk-patches", "16384",
                             label="recompute-vchunk")],
+    # Then: fewer, larger chunks (16k cost 19% at MBS 4), and expandable allocator segments, since
+    # 3d MBS 8 next failed on an 18.55 GiB logits buffer with 18 GiB reserved but unused.
+    "vision-chunks-32k": [
+        _case("3d", "real-large", 4, 12, "--recompute", "full", "--vision-chunk-patches", "32768",
+              label="recompute-vchunk32k"),
+        _case("3d", "real-large", 8, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
+              "--expandable-segments", label="recompute-vchunk32k-expseg"),
+        _case("fsdp", "real-large", 8, 8, "--recompute", "full", "--vision-chunk-patches", "32768",
+              "--expandable-segments", label="recompute-vchunk32k-expseg")],
     # Two GPUs against one GPU in the same run: EP2 under 3d (experts split, data-parallel otherwise)
     # and Megatron-FSDP sharding across both. Per-GPU tokens/s over the 1-GPU case is the scaling.
     "two-gpus": [_case("3d", "real-large", 2, 12, "--world-size", "2", "--ep", "2", label="ep2-2gpu"),
