@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -189,21 +188,6 @@ def test_dataset_helper_compile_is_skipped(mb, monkeypatch):
     monkeypatch.setattr(bridge_init, "compile_helpers", bridge_init.compile_helpers)
     mb._skip_dataset_helper_compile()
     bridge_init.compile_helpers()  # no make, no exit
-
-
-@needs_bridge
-@pytest.mark.parametrize("before, after", [
-    (None, "expandable_segments:True"),
-    ("garbage_collection_threshold:0.8", "garbage_collection_threshold:0.8,expandable_segments:True"),
-    ("expandable_segments:False", "expandable_segments:False"),  # the user's explicit choice stands
-])
-def test_expandable_segments_setting(mb, monkeypatch, before, after):
-    if before is None:
-        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    else:
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
-    mb.use_expandable_segments()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
 
 
 @needs_bridge

@@ -123,3 +123,31 @@ def test_gpu_decode_shares_never_overcommit_a_gpu():
         assert abs(world * rank + dp * max_actors * actor - world) < 1e-9  # every actor fits, nothing left over
     with pytest.raises(SystemExit, match="--decode cpu"):
         gpu_shares("gpu", "cpu", 2, 2, 2)
+
+
+@pytest.mark.parametrize("before, expandable, after", [
+    (None, False, None),
+    (None, True, "expandable_segments:True"),
+    ("garbage_collection_threshold:0.8", True, "garbage_collection_threshold:0.8,expandable_segments:True"),
+    ("garbage_collection_threshold:0.8", False, "garbage_collection_threshold:0.8"),  # the driver's passes on
+    ("expandable_segments:False", True, "expandable_segments:False"),  # the user's explicit choice stands
+])
+def test_rank_env_sets_the_allocator_before_cuda_starts(monkeypatch, before, expandable, after):
+    from trainer.run import rank_env
+
+    if before is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+    assert rank_env(expandable).get("PYTORCH_CUDA_ALLOC_CONF") == after
+
+
+def test_worker_group_starts_ranks_with_its_env(ray_local):
+    from trainer.workers import WorkerGroup
+
+    group = WorkerGroup(2, use_gpu=False, cpus_per_rank=0.1, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    try:
+        assert ray_local.get([a.env.remote("PYTORCH_CUDA_ALLOC_CONF") for a in group.actors]) == \
+            ["expandable_segments:True"] * 2
+    finally:
+        group.shutdown()

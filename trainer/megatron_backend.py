@@ -615,15 +615,6 @@ class StepMetrics(Callback):
 # ================================================================================================
 # 5. Entry point
 # ================================================================================================
-def use_expandable_segments() -> None:
-    """Turn on expandable allocator segments; the allocator reads the setting once, at CUDA start."""
-    if torch.cuda.is_initialized():
-        raise RuntimeError("--expandable-segments must be applied before CUDA starts in this process")
-    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments" not in setting:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [setting, "expandable_segments:True"]))
-
-
 def check_runtime(cfg: TrainerConfig) -> None:
     """What the config alone cannot tell: a GPU, and the optional packages some knobs need."""
     if not torch.cuda.is_available():
@@ -644,8 +635,6 @@ def train(cfg: TrainerConfig, data_iterator: Iterator[dict],
     (a JSON-lines path, or a callable taking each record)."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world_size)
-    if cfg.train.expandable_segments:
-        use_expandable_segments()
     check_runtime(cfg)
 
     iterator = TimedIterator(data_iterator, adapt=to_stock_batch if cfg.train.padded else None)

@@ -58,6 +58,15 @@ def gpu_shares(decode: str, backend: str, world: int, dp: int, max_actors: int) 
     return TRAINER_GPU_SHARE, (1 - TRAINER_GPU_SHARE) * world / (dp * max_actors)
 
 
+def rank_env(expandable_segments: bool) -> dict[str, str]:
+    """Environment the trainer ranks start with. The CUDA allocator reads its settings once, when
+    CUDA starts in a process, so they must be there before the rank runs any code."""
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if expandable_segments and "expandable_segments" not in setting:
+        setting = ",".join(filter(None, [setting, "expandable_segments:True"]))
+    return {"PYTORCH_CUDA_ALLOC_CONF": setting} if setting else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("backend=%s world=%d dp=%d shards=%d seq_len=%d mbs=%d gbs=%d", backend, world, dp, len(shards),
              cfg.train.seq_len, cfg.train.mbs, cfg.train.gbs)
     # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
-    group = WorkerGroup(world, use_gpu=backend == "megatron", gpu_per_rank=gpu_per_rank)
+    group = WorkerGroup(world, use_gpu=backend == "megatron", gpu_per_rank=gpu_per_rank,
+                        env=rank_env(cfg.train.expandable_segments))
     try:
         service = DataService(data_cfg, run=run)
     except BaseException:

@@ -53,6 +53,9 @@ class RankLayout:
 
 @ray.remote
 class TrainerWorker:
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
     def node_info(self) -> tuple[str, list[int]]:
         return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
 
@@ -80,7 +83,8 @@ class TrainerWorker:
 class WorkerGroup:
     """The trainer actors of one job, ranked and ready for torch.distributed."""
 
-    def __init__(self, world: int, use_gpu: bool, cpus_per_rank: float = 1.0, gpu_per_rank: float = 1.0):
+    def __init__(self, world: int, use_gpu: bool, cpus_per_rank: float = 1.0, gpu_per_rank: float = 1.0,
+                 env: dict[str, str] | None = None):
         # gpu_per_rank < 1 leaves room on each rank's GPU for GPU-decoding data actors; above 0.5, two
         # ranks can never share one GPU.
         if use_gpu and not 0.5 < gpu_per_rank <= 1.0:
@@ -90,6 +94,7 @@ class WorkerGroup:
         ray.get(self.pg.ready(), timeout=600)
         actors = [TrainerWorker.options(
             num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
+            runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
         ).remote() for i in range(world)]
         infos = ray.get([a.node_info.remote() for a in actors])
