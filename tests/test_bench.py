@@ -82,3 +82,19 @@ def test_bench_service_tiny(tmp_path, ray_local, monkeypatch, capsys):
     acct = r1["accounting"]
     assert acct["read"] == acct["delivered"] + sum(acct["quarantined"].values()) + sum(acct["skipped_by_rule"].values())
     assert "in-process" in stdout and "ray 1 actor" in stdout
+
+
+def test_cut_short_case_keeps_its_finished_steps(tmp_path):
+    from trainer.bench import partial_summary
+
+    path = tmp_path / "metrics.jsonl"
+    steps = [{"step": i + 1, "step_time_s": t, "data_wait_frac": 0.0, "tokens_per_s": 1000 / t,
+              "real_token_fraction": 0.8, "tflops_per_gpu": 100.0, "peak_mem_gib": 90.0 + i, "loss": 12.0 - i}
+             for i, t in enumerate([70.0, 3.0, 2.0, 2.0, 2.5])]
+    path.write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    s = partial_summary(str(path), wall_s=140.0)
+    assert s["partial"] and s["steps"] == 5 and s["steady_steps"] == 3  # warm-up steps 1-2 left out
+    assert s["step_time_s"] == round((2.0 + 2.0 + 2.5) / 3, 4) and s["peak_mem_gib"] == 94.0
+    assert s["loss_fell"] and "data" not in s
+    (tmp_path / "empty.jsonl").write_text("")
+    assert partial_summary(str(tmp_path / "empty.jsonl"), wall_s=1.0) == {}

@@ -220,6 +220,20 @@ def prepare_sources(root: str, wanted: set[str]) -> dict[str, list[str]]:
     return out
 
 
+def partial_summary(metrics_path: str, wall_s: float) -> dict:
+    """The steady-state summary of the steps a case finished before it was cut short, marked partial."""
+    from trainer.run import summarize
+
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        return {}
+    s = summarize(records, {}, "megatron", 0, wall_s)
+    for key in ("data", "world_size", "backend", "data_accounting", "autoscale_decisions"):
+        s.pop(key)
+    return {**s, "partial": True}
+
+
 def run_case(name: str, shards: list[str], extra: list[str], address: str, out: str, timeout: int) -> dict:
     case_out = os.path.join(out, name)
     world = [] if "--world-size" in extra else ["--world-size", "1"]
@@ -241,6 +255,8 @@ def run_case(name: str, shards: list[str], extra: list[str], address: str, out: 
     metrics = os.path.join(case_out, "metrics.jsonl")
     if os.path.exists(metrics):
         shutil.copy(metrics, os.path.join(out, f"{name}.metrics.jsonl"))
+        if "steps" not in result:  # cut short (deadline, crash): summarize the steps it did finish
+            result.update(partial_summary(metrics, result["wall_s"]))
     print(f"[bench] {name}: rc={rc} " + json.dumps({k: result.get(k) for k in (
         "steps", "step_time_s", "tokens_per_s", "tflops_per_gpu", "data_wait_share", "peak_mem_gib",
         "loss_first", "loss_last")}), flush=True)
