@@ -19,3 +19,17 @@ def test_case_names_parse_and_plot_is_written(tmp_path):
     out = tmp_path / "plot.png"
     assert main([str(path), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_second_row_with_two_gpus_chunks_and_decode(tmp_path):
+    rows = [{"case": "3d-real-large-mbs2-1gpu", "rc": 0, "tokens_per_s": 7500.0, "data_wait_share": 0.0},
+            {"case": "3d-real-large-mbs2-ep2-2gpu", "rc": 0, "tokens_per_s": 16000.0, "data_wait_share": 0.0},
+            {"case": "3d-real-large-mbs8-recompute-vchunk32k-expseg", "rc": "timeout", "partial": True,
+             "tokens_per_s": 9100.0, "data_wait_share": 0.0}]
+    decode = {"images": 256, "dali_gpu_resident_pixel_values": {"img_s": 3700.0, "mp_s": 5400.0},
+              "torchvision_nvjpeg_decode_only": {"img_s": 5800.0, "mp_s": 8400.0}, "some_ratio": 1.4}
+    (tmp_path / "bench.json").write_text(json.dumps(rows))
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    out = tmp_path / "plot.png"
+    assert main([str(tmp_path / "bench.json"), "--decode", str(tmp_path / "decode.json"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
-"""Plot ``trainer.bench`` results: tokens/s and data-wait share against MBS per strategy, and step
-time per data source. ``python -m trainer.plot_bench BENCH.json ... --out PNG``.
+"""Plot ``trainer.bench`` results: tokens/s and data-wait share against MBS per strategy, step time
+per data source, and where the runs hold them, one GPU against two and the GPU decode comparison.
+``python -m trainer.plot_bench BENCH.json ... [--decode gpu_decode.json] --out PNG``.
 
 Case names follow ``trainer.bench``: ``{strategy}-{source}-mbs{N}[-label]``; failed cases (OOM) are
 marked on the MBS axis instead of being dropped.
@@ -24,23 +25,25 @@ def load(paths: list[str]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], source: str, out: str) -> None:
+def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_tok, ax_wait, ax_src) = plt.subplots(1, 3, figsize=(16, 4.8))
+    scaling = [r for r in rows if r["label"].endswith(("1gpu", "2gpu")) and r["rc"] == 0]
+    second_row = bool(scaling or decode)
+    fig, axes = plt.subplots(2 if second_row else 1, 3, figsize=(16, 9.6 if second_row else 4.8), squeeze=False)
+    ax_tok, ax_wait, ax_src = axes[0]
     # The MBS sweep: trainable vision, recompute only where MBS needs it.
     sweep = [r for r in rows if r["source"] == source and r["label"] in ("", "recompute")]
     for strategy, colour in (("fsdp", "tab:blue"), ("3d", "tab:orange")):
         ok = sorted((r for r in sweep if r["strategy"] == strategy and r["rc"] == 0), key=lambda r: r["mbs"])
         failed = [r for r in sweep if r["strategy"] == strategy and r["rc"] != 0]
         ax_tok.plot([r["mbs"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", color=colour, label=strategy)
-        for r in ok:
-            if r["label"]:
-                ax_tok.annotate("recompute", (r["mbs"], r["tokens_per_s"]), fontsize=7, xytext=(4, -10),
-                                textcoords="offset points")
+        for mbs in sorted({r["mbs"] for r in ok if r["label"]}):  # once, even where runs repeat a case
+            top = max(r["tokens_per_s"] for r in ok if r["mbs"] == mbs)
+            ax_tok.annotate("recompute", (mbs, top), fontsize=7, xytext=(4, -10), textcoords="offset points")
         for r in failed:
             ax_tok.plot(r["mbs"], 0, "x", color=colour, markersize=10)
         marker = "o-" if strategy == "fsdp" else "s--"
@@ -48,6 +51,17 @@ def plot(rows: list[dict], source: str, out: str) -> None:
                      label=strategy)
     for mbs in sorted({r["mbs"] for r in sweep if r["rc"] != 0}):
         ax_tok.annotate("failed (OOM)", (mbs, 0), fontsize=7, xytext=(-30, 10), textcoords="offset points")
+    # The vision tower run over whole-image chunks (trainable), where one call per micro-batch failed.
+    for r in rows:
+        if r["source"] == source and "vchunk" in r["label"] and r.get("tokens_per_s") and r["mbs"] >= 8:
+            colour = "tab:blue" if r["strategy"] == "fsdp" else "tab:orange"
+            ax_tok.plot(r["mbs"], r["tokens_per_s"], "*", color=colour, markersize=12,
+                        markerfacecolor="none" if r.get("partial") else colour)
+            ax_tok.annotate(f"{r['strategy']}, vision in chunks{' (partial)' if r.get('partial') else ''}",
+                            (r["mbs"], r["tokens_per_s"]), fontsize=7, textcoords="offset points",
+                            xytext=(-130, 8) if r["strategy"] == "3d" else (-100, -24))
+            ax_wait.plot(r["mbs"], 100 * r["data_wait_share"], "*", color=colour, markersize=12,
+                         markerfacecolor="none" if r.get("partial") else colour)
     frozen = [r for r in rows if r["source"] == source and "frozen-vision" in r["label"] and r["rc"] == 0]
     for r in frozen:
         ax_tok.plot(r["mbs"], r["tokens_per_s"], "^", color="tab:green")
@@ -84,17 +98,66 @@ def plot(rows: list[dict], source: str, out: str) -> None:
     ax_src.set_xticks(range(len(sources)), [s.replace(suffix, "") for s in sources])
     ax_src.set(ylabel="step time, s (MBS 2)", title="data source: real vs calibrated synthetic vs mock")
     ax_src.legend()
+    if second_row:
+        ax_gpus, ax_dec, ax_free = axes[1]
+        ax_free.axis("off")
+        _plot_scaling(ax_gpus, scaling)
+        _plot_decode(ax_dec, decode)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def _plot_scaling(ax, rows: list[dict]) -> None:
+    """Real tokens/s per GPU, one GPU against two, per strategy (same run)."""
+    if not rows:
+        ax.axis("off")
+        return
+    strategies = [s for s in ("3d", "fsdp") if any(r["strategy"] == s for r in rows)]
+    width = 0.38
+    for k, (gpus, colour) in enumerate(((1, "tab:gray"), (2, "tab:purple"))):
+        values = []
+        for strategy in strategies:
+            match = [r for r in rows if r["strategy"] == strategy and r["label"].endswith(f"{gpus}gpu")]
+            values.append(match[0]["tokens_per_s"] / gpus if match else 0.0)
+        xs = [i + (k - 0.5) * width for i in range(len(strategies))]
+        ax.bar(xs, values, width, color=colour, label=f"{gpus} GPU{'s' if gpus > 1 else ''}")
+        for x, v in zip(xs, values):
+            if v:
+                ax.annotate(f"{v:,.0f}", (x, v), ha="center", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(strategies)), [f"{s} (EP2 on 2)" if s == "3d" else s for s in strategies])
+    ax.set(ylabel="real tokens / s per GPU (MBS 2)", title="one GPU vs two")
+    ax.legend()
+
+
+def _plot_decode(ax, decode: dict | None) -> None:
+    """img/s per decode path (``trainer.bench --gpu-decode-only`` output), against the 5,000 goal."""
+    paths = [(k, v["img_s"]) for k, v in (decode or {}).items() if isinstance(v, dict) and v.get("img_s")]
+    if not paths:
+        ax.axis("off")
+        return
+    names = [k.replace("_", " ").replace("to gpu pixel values", "-> GPU pixel_values")
+             .replace("to host patches", "-> host patches") for k, _ in paths]
+    colours = ["tab:green" if k.startswith("dali_gpu") else "tab:gray" if k.startswith("torchvision") else "tab:blue"
+               for k, _ in paths]
+    ax.barh(range(len(paths)), [v for _, v in paths], color=colours)
+    for i, (_, v) in enumerate(paths):
+        ax.annotate(f"{v:,.0f}", (v, i), va="center", fontsize=7, xytext=(3, 0), textcoords="offset points")
+    ax.axvline(5000, color="red", linestyle="--", linewidth=1, label="goal: 5,000 img/s")
+    ax.set_yticks(range(len(paths)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="images / s (1-2 MP JPEGs, one H200)", title="decode paths, same run")
+    ax.legend(fontsize=7)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.plot_bench")
     ap.add_argument("bench_json", nargs="+")
     ap.add_argument("--source", default="real-large", help="real source of the MBS sweep")
+    ap.add_argument("--decode", default=None, help="gpu_decode.json from trainer.bench --gpu-decode-only")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    plot(load(args.bench_json), args.source, args.out)
+    decode = json.load(open(args.decode)) if args.decode else None
+    plot(load(args.bench_json), args.source, args.out, decode)
     print(args.out)
     return 0
 
