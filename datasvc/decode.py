@@ -218,8 +218,8 @@ class _Batches:
 
 class GpuDecoder:
     """DALI ``mixed`` decode (hardware JPEG decoder, nvJPEG) and resize on the GPU, patchified there
-    too. ``to_patches`` copies uint8 patch rows to the host once per batch, through one pinned
-    staging buffer; ``to_pixel_values`` keeps everything on the GPU and normalizes there.
+    too. ``to_patches`` copies uint8 patch rows to the host once per batch (one pinned copy);
+    ``to_pixel_values`` keeps everything on the GPU and normalizes there.
 
     The DALI pipeline runs asynchronously and pipelined over the batches of a call (one DALI epoch
     per call), so decoding batch k+1 overlaps the patchify and copy of batch k. Images the GPU decoder
@@ -244,7 +244,6 @@ class GpuDecoder:
         self._cpu = CpuDecoder(num_threads=num_threads, max_batch=max_batch)
         self._source = _Batches()
         self._lock = threading.Lock()
-        self._staging = None  # pinned host buffer for to_patches, reused across batches and calls
         self._build()
 
     def _build(self) -> None:
@@ -321,15 +320,15 @@ class GpuDecoder:
 
         patches, spans = self._patch_rows(out, batch, spec)
         if patches.is_cuda:
-            n = patches.numel()
-            if self._staging is None or self._staging.numel() < n:
-                # Headroom, so that a slightly larger batch later does not pin a new buffer.
-                self._staging = torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True)
-            host = self._staging[:n]
-            host.copy_(patches.view(-1), non_blocking=True)
+            # A fresh pinned block per batch, not one reused staging buffer plus a pageable copy: torch
+            # caches freed pinned blocks, so once a caller (an actor handing rows to Ray) drops a batch
+            # its block comes back without a new pinning. Measured on the H200: 771 img/s to host and
+            # 1,960 on to GPU pixel_values this way, 688 and 472 with the staging buffer.
+            host = torch.empty(patches.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(patches, non_blocking=True)
             torch.cuda.current_stream(self._torch_device).synchronize()
-            patches = host.view(-1, spec.patch_dim)
-        rows = patches.numpy().copy()  # the staging buffer is overwritten by the next batch
+            patches = host
+        rows = patches.numpy()
         return [s if isinstance(s, ImageRejected) else rows[s[0]:s[1]] for s in spans]
 
     def _decode(self, jobs: list[DecodeJob], spec: VisionSpec, finish: Callable, timer: Timer | None) -> list:
