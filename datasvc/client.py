@@ -38,6 +38,7 @@ class DataClient:
         self._ahead: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
+        self._owned_feeder = None
         self.wait_s = 0.0
         self.transfer_s = 0.0
         self.delivered = 0
@@ -48,6 +49,9 @@ class DataClient:
 
     def __next__(self):
         if self._thread is None:
+            if self._halt.is_set():
+                raise DataServiceError(f"the client of dp_rank {self.dp_rank} was closed or its service shut down; "
+                                       "make a new client, or call restore_state to resume")
             self._start()
         t0 = time.perf_counter()
         item = self._ahead.get()
@@ -65,11 +69,20 @@ class DataClient:
         """Position (epoch, block, batch, step) of the micro-batch last returned."""
         return self._last_pos
 
-    def close(self) -> None:
+    def halt(self) -> None:
+        """Stop fetching, at once and for good: a feeder that dies after this is not restarted."""
         self._halt.set()
+
+    def close(self) -> None:
+        """Halt, wait for the fetch thread, and end the feeder this client started (on restore or
+        recovery), which would otherwise live, holding its actors' CPUs, as long as this object."""
+        self.halt()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._thread = None
+        if self._owned_feeder is not None:
+            ray.kill(self._owned_feeder)
+            self._owned_feeder = None
 
     # ---- state ------------------------------------------------------------------------------
     def save_state(self) -> dict:
@@ -81,6 +94,7 @@ class DataClient:
         if state.get("dp_rank", self.dp_rank) != self.dp_rank:
             raise DataServiceError(f"state belongs to dp_rank {state.get('dp_rank')}, not {self.dp_rank}")
         self.close()
+        self._halt.clear()
         self._reopen_feeder(state)
         self._next_step = state["step"]
         before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
@@ -130,7 +144,6 @@ class DataClient:
 
     # ---- background fetch ---------------------------------------------------------------------
     def _start(self) -> None:
-        self._halt.clear()
         self._ahead = queue.Queue(maxsize=max(1, self.cfg.prefetch))
         self._thread = threading.Thread(target=self._fetch_loop, name=f"client-{self.dp_rank}", daemon=True)
         self._thread.start()
@@ -164,13 +177,16 @@ class DataClient:
                     except queue.Full:
                         continue
         except BaseException as exc:
-            self._ahead.put(exc)
+            if not self._halt.is_set():  # a halted client has no reader left to take it
+                self._ahead.put(exc)
 
     def _call_next(self, step: int) -> list:
         for attempt in range(3):
             try:
                 return ray.get(self._feeder().next_batch.remote(self.consumer, step))
             except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
+                if self._halt.is_set():  # the service was shut down: the feeder is meant to be gone
+                    raise DataServiceError(f"client of dp_rank {self.dp_rank} was halted") from exc
                 if attempt == 2:
                     raise DataServiceError(f"feeder of dp_rank {self.dp_rank} is gone and could not be "
                                            f"restarted: {exc}") from exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -515,11 +516,14 @@ class DataService:
         self.cfg = cfg
         self.run = run
         self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r)) for r in range(cfg.dp_size)]
+        self._clients: weakref.WeakSet = weakref.WeakSet()
 
     def client(self, dp_rank: int, consumer: int = 0, **kwargs):
         from datasvc.client import DataClient
 
-        return DataClient(self.cfg, dp_rank, consumer, run=self.run, **kwargs)
+        client = DataClient(self.cfg, dp_rank, consumer, run=self.run, **kwargs)
+        self._clients.add(client)
+        return client
 
     def stats(self) -> dict:
         per_rank = ray.get([f.stats.remote() for f in self.feeders])
@@ -534,12 +538,19 @@ class DataService:
         return {"ranks": per_rank, "accounting": total.as_dict()}
 
     def shutdown(self) -> None:
+        # Halt this service's clients first: a client whose call fails on a killed feeder would
+        # otherwise restart it, as it must after a crash, and the restarted feeder would outlive us.
+        clients = list(self._clients)
+        for c in clients:
+            c.halt()
         for f in self.feeders:
             try:
                 ray.get(f.shutdown.remote(), timeout=30)
             except Exception:
                 pass
             ray.kill(f)
+        for c in clients:
+            c.close()
 
 
 def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = None):

@@ -156,3 +156,25 @@ def test_actors_that_cannot_start_fail_fast_with_the_cause(photo_shards, ray_loc
             pool.collect(timeout=1.0)
     assert f"{Pool.MAX_START_FAILURES} preprocessing actors in a row failed to start" in str(err.value)
     assert "Install the data path's dependencies" in str(err.value)
+
+
+def test_shutdown_leaves_no_feeder_behind(photo_shards, ray_local):
+    """A client's prefetch call that fails because the service shut down must not restart the feeder
+    (as it must after a crash): a resurrected feeder and its actors would hold CPUs for good."""
+    import pytest
+
+    from datasvc.service import DataServiceError, feeder_name
+
+    run = f"z{uuid.uuid4().hex[:6]}"
+    # Streams forever with room to prefetch, so the client's thread is inside a next_batch call.
+    svc = DataService(cfg(photo_shards, epochs=None, prefetch=8, max_batches_ahead=8), run=run)
+    c = svc.client(0, output="numpy")
+    next(c)
+    time.sleep(1.0)
+    svc.shutdown()
+    time.sleep(3.0)  # a restart would have named a new feeder by now
+    with pytest.raises(ValueError):
+        ray.get_actor(feeder_name(run, 0))
+    with pytest.raises(DataServiceError, match="closed or its service shut down"):
+        for _ in range(20):  # what was prefetched before the shutdown (8 at most), then the refusal
+            next(c)
