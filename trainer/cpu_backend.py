@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from datasvc.batch import IGNORE_INDEX
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD, VOCAB_SIZE
 
 log = logging.getLogger("vlmfeed.trainer.cpu")
@@ -102,7 +103,7 @@ def sample_loss(model, sample: dict) -> tuple[torch.Tensor, int]:
         kwargs = dict(pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
                       mm_token_type_ids=(ids == IMAGE_PAD).long())
     labels = sample["labels"]
-    keep = torch.nonzero(labels != -100).flatten()
+    keep = torch.nonzero(labels != IGNORE_INDEX).flatten()
     # Project only supervised positions onto the 152k vocabulary: most of a VLM row is image pads.
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=keep, **kwargs).logits[0]
     return F.cross_entropy(logits.float(), labels[keep], reduction="sum"), int(keep.numel())
@@ -148,7 +149,7 @@ def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metri
             real += int(batch["cu_seqlens"][torch.arange(len(batch["num_samples"])), batch["num_samples"].long()].sum())
             total += batch["tokens"].numel()
         # Normalize by supervised tokens across the whole global batch, as Megatron's per-token loss does.
-        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
+        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
         global_tokens = torch.tensor([local_tokens], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(global_tokens)

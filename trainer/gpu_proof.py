@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from datasvc.batch import IGNORE_INDEX
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
 
@@ -50,8 +51,8 @@ def synthetic_sample(rng: torch.Generator, grids: list[tuple[int, int, int]], n_
         ids += [TOKENS.vision_start] + [TOKENS.image_pad] * (t * h * w // 4) + [TOKENS.vision_end]
     ids += torch.randint(1000, 150000, (n_after,), generator=rng).tolist()
     tokens = torch.tensor(ids)
-    labels = torch.cat([tokens[1:], torch.tensor([-100])])
-    labels[(tokens == TOKENS.image_pad) | (tokens == TOKENS.vision_start)] = -100
+    labels = torch.cat([tokens[1:], torch.tensor([IGNORE_INDEX])])
+    labels[(tokens == TOKENS.image_pad) | (tokens == TOKENS.vision_start)] = IGNORE_INDEX
     return tokens, labels, grids
 
 
@@ -59,7 +60,7 @@ def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Gene
     """Pack samples into rows of seq_len the way the data service does (see datasvc.batch)."""
     B, K = len(rows), max(1, max(len(r) for r in rows))
     tokens = torch.full((B, seq_len), TOKENS.pad, dtype=torch.long)
-    labels = torch.full((B, seq_len), -100, dtype=torch.long)
+    labels = torch.full((B, seq_len), IGNORE_INDEX, dtype=torch.long)
     cu = torch.zeros((B, K + 1), dtype=torch.int32)
     grids: list[tuple[int, int, int]] = []
     for r, samples in enumerate(rows):
@@ -72,7 +73,7 @@ def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Gene
         cu[r, len(samples) + 1:] = at
     n_patches = sum(t * h * w for t, h, w in grids)
     batch = {
-        "tokens": tokens, "labels": labels, "loss_mask": (labels != -100).float(), "cu_seqlens": cu,
+        "tokens": tokens, "labels": labels, "loss_mask": (labels != IGNORE_INDEX).float(), "cu_seqlens": cu,
         "num_samples": torch.tensor([len(r) for r in rows], dtype=torch.int32),
         "pixel_values": torch.randn(n_patches, 1536, generator=rng),
         "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
@@ -172,8 +173,8 @@ def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 
         pix = batch["pixel_values"][patch_at:patch_at + n_patch]
         patch_at, image_at = patch_at + n_patch, image_at + n_img
         tk, lb = tokens[None].to(device), labels[None].to(device)
-        mask = (lb != -100).float()
-        lb = torch.where(lb == -100, torch.full_like(lb, TOKENS.pad), lb)
+        mask = (lb != IGNORE_INDEX).float()
+        lb = torch.where(lb == IGNORE_INDEX, torch.full_like(lb, TOKENS.pad), lb)
         spos, _ = get_rope_index(2, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, tk,
                                  image_grid_thw=grid if n_img else None)
         o = model(input_ids=tk, position_ids=spos, attention_mask=None, labels=lb, loss_mask=mask,
