@@ -147,7 +147,6 @@ def test_worker_group_starts_ranks_with_its_env(ray_local):
 
     group = WorkerGroup(2, use_gpu=False, cpus_per_rank=0.1, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     try:
-        assert ray_local.get([a.env.remote("PYTORCH_CUDA_ALLOC_CONF") for a in group.actors]) == \
-            ["expandable_segments:True"] * 2
+        assert group.run_all(os.getenv, [("PYTORCH_CUDA_ALLOC_CONF",)] * 2) == ["expandable_segments:True"] * 2
     finally:
         group.shutdown()

@@ -53,9 +53,6 @@ class RankLayout:
 
 @ray.remote
 class TrainerWorker:
-    def env(self, name: str) -> str | None:
-        return os.environ.get(name)
-
     def node_info(self) -> tuple[str, list[int]]:
         return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
 
