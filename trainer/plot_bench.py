@@ -15,6 +15,9 @@ CASE = re.compile(r"^(?P<strategy>fsdp|3d)-(?P<source>real-large|real|synthetic-
                   r"-mbs(?P<mbs>\d+)(?:-(?P<label>.+))?$")
 
 
+COLOURS = {"fsdp": "tab:blue", "3d": "tab:orange"}
+
+
 def load(paths: list[str]) -> list[dict]:
     rows = []
     for path in paths:
@@ -37,7 +40,7 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     ax_tok, ax_wait, ax_src = axes[0]
     # The MBS sweep: trainable vision, recompute only where MBS needs it.
     sweep = [r for r in rows if r["source"] == source and r["label"] in ("", "recompute")]
-    for strategy, colour in (("fsdp", "tab:blue"), ("3d", "tab:orange")):
+    for strategy, colour in COLOURS.items():
         ok = sorted((r for r in sweep if r["strategy"] == strategy and r["rc"] == 0), key=lambda r: r["mbs"])
         failed = [r for r in sweep if r["strategy"] == strategy and r["rc"] != 0]
         ax_tok.plot([r["mbs"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", color=colour, label=strategy)
@@ -54,7 +57,7 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     # The vision tower run over whole-image chunks (trainable), where one call per micro-batch failed.
     for r in rows:
         if r["source"] == source and "vchunk" in r["label"] and r.get("tokens_per_s") and r["mbs"] >= 8:
-            colour = "tab:blue" if r["strategy"] == "fsdp" else "tab:orange"
+            colour = COLOURS[r["strategy"]]
             ax_tok.plot(r["mbs"], r["tokens_per_s"], "*", color=colour, markersize=12,
                         markerfacecolor="none" if r.get("partial") else colour)
             ax_tok.annotate(f"{r['strategy']}, vision in chunks{' (partial)' if r.get('partial') else ''}",
@@ -83,21 +86,16 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
 
     suffix = "-large" if source.endswith("-large") else ""
     sources = [f"real{suffix}", f"synthetic{suffix}", f"mock{suffix}"]
-    width = 0.38
-    for k, (strategy, colour) in enumerate((("fsdp", "tab:blue"), ("3d", "tab:orange"))):
-        times = []
-        for s in sources:
-            match = [r for r in rows if r["strategy"] == strategy and r["source"] == s and r["mbs"] == 2
-                     and r["label"] == "" and r["rc"] == 0]
-            times.append(match[0]["step_time_s"] if match else 0.0)
-        xs = [i + (k - 0.5) * width for i in range(len(sources))]
-        ax_src.bar(xs, times, width, color=colour, label=strategy)
-        for x, t in zip(xs, times):
-            if t:
-                ax_src.annotate(f"{t:.2f}s", (x, t), ha="center", fontsize=7, xytext=(0, 2), textcoords="offset points")
-    ax_src.set_xticks(range(len(sources)), [s.replace(suffix, "") for s in sources])
+
+    def step_time(strategy: str, source_name: str) -> float:
+        match = [r for r in rows if r["strategy"] == strategy and r["source"] == source_name and r["mbs"] == 2
+                 and r["label"] == "" and r["rc"] == 0]
+        return match[0]["step_time_s"] if match else 0.0
+
+    _paired_bars(ax_src, [s.replace(suffix, "") for s in sources],
+                 [(strategy, COLOURS[strategy], [step_time(strategy, s) for s in sources])
+                  for strategy in ("fsdp", "3d")], "{:.2f}s")
     ax_src.set(ylabel="step time, s (MBS 2)", title="data source: real vs calibrated synthetic vs mock")
-    ax_src.legend()
     if second_row:
         ax_gpus, ax_dec, ax_free = axes[1]
         ax_free.axis("off")
@@ -113,19 +111,27 @@ def _plot_scaling(ax, rows: list[dict]) -> None:
         ax.axis("off")
         return
     strategies = [s for s in ("3d", "fsdp") if any(r["strategy"] == s for r in rows)]
+
+    def per_gpu(strategy: str, gpus: int) -> float:
+        match = [r for r in rows if r["strategy"] == strategy and r["label"].endswith(f"{gpus}gpu")]
+        return match[0]["tokens_per_s"] / gpus if match else 0.0
+
+    _paired_bars(ax, [f"{s} (EP2 on 2)" if s == "3d" else s for s in strategies],
+                 [(f"{g} GPU{'s' if g > 1 else ''}", colour, [per_gpu(s, g) for s in strategies])
+                  for g, colour in ((1, "tab:gray"), (2, "tab:purple"))], "{:,.0f}")
+    ax.set(ylabel="real tokens / s per GPU (MBS 2)", title="one GPU vs two")
+
+
+def _paired_bars(ax, groups: list[str], series: list[tuple[str, str, list[float]]], fmt: str) -> None:
+    """Two bars per group, (name, colour, one value per group) each, labelled with ``fmt``; 0 = missing."""
     width = 0.38
-    for k, (gpus, colour) in enumerate(((1, "tab:gray"), (2, "tab:purple"))):
-        values = []
-        for strategy in strategies:
-            match = [r for r in rows if r["strategy"] == strategy and r["label"].endswith(f"{gpus}gpu")]
-            values.append(match[0]["tokens_per_s"] / gpus if match else 0.0)
-        xs = [i + (k - 0.5) * width for i in range(len(strategies))]
-        ax.bar(xs, values, width, color=colour, label=f"{gpus} GPU{'s' if gpus > 1 else ''}")
+    for k, (name, colour, values) in enumerate(series):
+        xs = [i + (k - 0.5) * width for i in range(len(groups))]
+        ax.bar(xs, values, width, color=colour, label=name)
         for x, v in zip(xs, values):
             if v:
-                ax.annotate(f"{v:,.0f}", (x, v), ha="center", fontsize=7, xytext=(0, 2), textcoords="offset points")
-    ax.set_xticks(range(len(strategies)), [f"{s} (EP2 on 2)" if s == "3d" else s for s in strategies])
-    ax.set(ylabel="real tokens / s per GPU (MBS 2)", title="one GPU vs two")
+                ax.annotate(fmt.format(v), (x, v), ha="center", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(groups)), groups)
     ax.legend()
 
 
