@@ -11,20 +11,22 @@ the PIL bicubic resize that the HF processor uses.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import io
+import itertools
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Callable, Iterable, Iterator, Literal, Protocol
 
 import cv2
 import numpy as np
 from PIL import Image
 
-from datasvc.vision import ImageRejected, VisionSpec, patchify, to_pixel_values
+from datasvc.vision import ImageRejected, VisionSpec, normalize_into, patchify, repeat_frames, to_pixel_values
 
 # Our own cap (VisionSpec.max_decode_pixels) is checked on the header; PIL's warning adds nothing.
 Image.MAX_IMAGE_PIXELS = None
@@ -200,31 +202,60 @@ def _pil_or_reject(data: bytes) -> np.ndarray | ImageRejected:
         return ImageRejected("corrupt_image", f"{type(exc).__name__}: {exc}"[:200])
 
 
-class _Batches:
-    """The external source of a ``GpuDecoder`` pipeline: one DALI epoch over the batches of one call.
+class _Feed:
+    """The external source of a ``GpuDecoder`` pipeline. DALI pulls (slot, job indices) chunks from
+    ``chunks`` lazily while it prefetches; each chunk handed over waits in ``fed`` until its output
+    comes out, so after a failure the prefetched chunks can be fed to a fresh pipeline.
 
-    DALI calls ``iter()`` at build and after each ``reset()``; the generator reads ``pending`` only
-    when the pipeline first pulls from it, so a call sets ``pending`` and then runs the epoch.
+    DALI calls ``iter()`` at build and after each ``reset()``; the generator reads ``chunks`` only
+    when the pipeline first pulls from it, so a stream sets ``chunks`` and then runs the epoch.
     """
 
     def __init__(self):
-        self.pending: list[list[DecodeJob]] = []
+        self.chunks: Iterator[tuple[_Slot, list[int]]] = iter(())
+        self.fed: collections.deque[tuple[_Slot, list[int]]] = collections.deque()
 
     def __iter__(self):
-        for batch in self.pending:
-            yield ([np.frombuffer(j.data, dtype=np.uint8) for j in batch],
-                   [np.array(j.target_hw, dtype=np.float32) for j in batch])  # fn.resize wants [H, W]
+        for slot, idx in self.chunks:
+            self.fed.append((slot, idx))
+            jobs = [slot.jobs[i] for i in idx]
+            yield ([np.frombuffer(j.data, dtype=np.uint8) for j in jobs],
+                   [np.array(j.target_hw, dtype=np.float32) for j in jobs])  # fn.resize wants [H, W]
+
+
+class _Slot:
+    """One caller batch in flight: its results fill in as its DALI chunks come out."""
+
+    def __init__(self, jobs: list[DecodeJob], max_batch: int):
+        self.jobs = jobs
+        self.results: list = [None] * len(jobs)
+        gpu_idx = [i for i, j in enumerate(jobs) if not _needs_pil(j.header)]
+        self.cpu_idx = [i for i, j in enumerate(jobs) if _needs_pil(j.header)]
+        self.chunks = [gpu_idx[s:s + max_batch] for s in range(0, len(gpu_idx), max_batch)]
+        self.chunks_left = len(self.chunks)
+
+    def fill(self, idx: list[int], outputs: list) -> None:
+        for i, o in zip(idx, outputs):
+            self.results[i] = o
+        self.chunks_left -= 1
+
+    def fail(self, idx: list[int]) -> None:
+        """DALI raised on this chunk: the CPU decoder redoes it and isolates the bad image."""
+        self.cpu_idx.extend(idx)
+        self.chunks_left -= 1
 
 
 class GpuDecoder:
     """DALI ``mixed`` decode (hardware JPEG decoder, nvJPEG) and resize on the GPU, patchified there
     too. ``to_patches`` copies uint8 patch rows to the host once per batch (one pinned copy);
-    ``to_pixel_values`` keeps everything on the GPU and normalizes there.
+    ``to_pixel_values`` and ``stream_pixel_values`` keep everything on the GPU: one kernel per image
+    patchifies, normalizes and casts straight into the batch's ``pixel_values``.
 
-    The DALI pipeline runs asynchronously and pipelined over the batches of a call (one DALI epoch
-    per call), so decoding batch k+1 overlaps the patchify and copy of batch k. Images the GPU decoder
-    cannot take (CMYK, 16-bit, palette, alpha) and any batch DALI rejects go to the CPU backend,
-    which isolates the bad image and names the reason.
+    The DALI pipeline runs asynchronously and pipelined: decoding batch k+1 overlaps the patchify of
+    batch k. A call is one DALI epoch, so the pipeline fills and drains once per call;
+    ``stream_pixel_values`` keeps one epoch over a whole stream of batches (how a training rank
+    consumes micro-batches). Images the GPU decoder cannot take (CMYK, 16-bit, palette, alpha) and
+    any batch DALI rejects go to the CPU backend, which isolates the bad image and names the reason.
 
     ``device_id=None`` runs the same pipeline with DALI's CPU operators and torch on the CPU: slow,
     but it lets machines without a GPU test the batching, recovery and patch layout.
@@ -242,7 +273,7 @@ class GpuDecoder:
         self.device_id, self.num_threads, self.hw_decoder_load = device_id, num_threads, hw_decoder_load
         self._torch_device = torch.device("cpu" if device_id is None else f"cuda:{device_id}")
         self._cpu = CpuDecoder(num_threads=num_threads, max_batch=max_batch)
-        self._source = _Batches()
+        self._feed = _Feed()
         self._lock = threading.Lock()
         self._build()
 
@@ -251,12 +282,12 @@ class GpuDecoder:
 
         on_gpu = self.device_id is not None
         decode_opts = {"device": "mixed", "hw_decoder_load": self.hw_decoder_load} if on_gpu else {"device": "cpu"}
-        source = self._source
+        feed = self._feed
 
         @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=self.device_id,
                       exec_async=True, exec_pipelined=True, prefetch_queue_depth=self.prefetch)
         def decode_pipeline():
-            encoded, size = fn.external_source(source=source, cycle="raise", num_outputs=2, batch=True,
+            encoded, size = fn.external_source(source=feed, cycle="raise", num_outputs=2, batch=True,
                                                dtype=[types.UINT8, types.FLOAT])
             images = fn.decoders.image(encoded, output_type=types.RGB, **decode_opts)
             return fn.resize(images, size=size, interp_type=types.INTERP_CUBIC, antialias=True,
@@ -265,46 +296,74 @@ class GpuDecoder:
         self._pipe = decode_pipeline()
         self._pipe.build()
 
-    def _epoch(self, batches: list[list[DecodeJob]], finish: Callable, emit: Callable) -> int:
-        """Run ``batches`` through the pipeline, ``emit(k, finish(dali_output, batches[k]))`` per
-        batch; returns how many batches came out before DALI raised (all of them when it did not)."""
-        self._source.pending = batches
-        for done, batch in enumerate(batches):
-            try:
-                (out,) = self._pipe.run()
-            except RuntimeError:
-                self._build()  # a DALI pipeline that raised stays broken: start a fresh one
-                return done
-            try:
-                emit(done, finish(out, batch))
-            except BaseException:
-                self._build()  # the pipeline still holds prefetched batches of this call
-                raise
-        try:
-            self._pipe.run()  # drain: the source is empty, so this ends the DALI epoch
-        except StopIteration:
-            pass
-        except RuntimeError:
-            self._build()  # every batch came out, but the pipeline is broken all the same
-            return len(batches)
-        self._pipe.reset()
-        return len(batches)
+    def _stream(self, batches: Iterable[list[DecodeJob]], spec: VisionSpec, finish: Callable,
+                cpu_finish: Callable, timer: Timer | None) -> Iterator[list]:
+        """One DALI epoch over ``batches`` (pulled lazily, a chunk or two ahead of the consumer);
+        yields per batch, in order, ``finish(dali_output, jobs)`` spread over its jobs, with the
+        CPU decoder's ``cpu_finish(patch_rows)`` for the jobs DALI cannot take or rejected."""
+        in_flight: collections.deque[_Slot] = collections.deque()
 
-    def _patch_rows(self, out, batch: list[DecodeJob], spec: VisionSpec) -> tuple:
+        def chunks():
+            for jobs in batches:
+                slot = _Slot(list(jobs), self.max_batch)
+                in_flight.append(slot)
+                for idx in slot.chunks:
+                    yield slot, idx
+
+        def completed(slot: _Slot) -> list:
+            if slot.cpu_idx:
+                rows = self._cpu.to_patches([slot.jobs[i] for i in slot.cpu_idx], spec, timer)
+                for i, r in zip(slot.cpu_idx, rows):
+                    slot.results[i] = cpu_finish(r) if isinstance(r, np.ndarray) else r
+            return slot.results
+
+        with self._lock:
+            pending = chunks()
+            self._feed.chunks, self._feed.fed = pending, collections.deque()
+            clean = False
+            try:
+                t0 = time.perf_counter()
+                while True:
+                    while in_flight and in_flight[0].chunks_left == 0:
+                        slot = in_flight.popleft()
+                        if timer:
+                            timer("decode", time.perf_counter() - t0, len(slot.jobs) - len(slot.cpu_idx))
+                        yield completed(slot)
+                        t0 = time.perf_counter()
+                    try:
+                        (out,) = self._pipe.run()
+                    except StopIteration:
+                        break
+                    except RuntimeError:
+                        slot, idx = self._feed.fed.popleft()  # outputs come in order: the oldest raised
+                        slot.fail(idx)
+                        # A DALI pipeline that raised stays broken: a fresh one takes the chunks it
+                        # had prefetched, then the rest of the stream.
+                        prefetched = list(self._feed.fed)
+                        self._feed.chunks = itertools.chain(prefetched, pending)
+                        self._feed.fed = collections.deque()
+                        self._build()
+                        continue
+                    slot, idx = self._feed.fed.popleft()
+                    slot.fill(idx, finish(out, [slot.jobs[i] for i in idx]))
+                self._pipe.reset()
+                clean = True
+                while in_flight:  # batches with no DALI chunk left (all CPU, or empty)
+                    yield completed(in_flight.popleft())
+            finally:
+                if not clean:
+                    # Abandoned mid-stream or our own code raised: the pipeline still holds
+                    # prefetched chunks of this stream.
+                    self._build()
+
+    def _patch_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> tuple:
         """One DALI output batch -> the uint8 patch rows of all its images in one tensor on the
         decoder's device, and per image its (first, end) row span or why it was rejected."""
         import torch
 
-        shapes = [tuple(s) for s in out.shape()]
-        pixels = torch.empty(sum(h * w * c for h, w, c in shapes), dtype=torch.uint8, device=self._torch_device)
-        if self._torch_device.type == "cuda":
-            stream = torch.cuda.current_stream(self._torch_device)
-            # Blocking: DALI reuses its output buffers on the next run().
-            out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
-        else:
-            out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()))
+        pixels, shapes = self._pixels(out)
         offset, rows, parts, spans = 0, 0, [], []
-        for job, (h, w, c) in zip(batch, shapes):
+        for job, (h, w, c) in zip(jobs, shapes):
             if (h, w) != job.target_hw:
                 spans.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
             else:
@@ -315,10 +374,52 @@ class GpuDecoder:
         patches = torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))
         return patches, spans
 
-    def _host_patches(self, out, batch: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
+    def _pixels(self, out) -> tuple:
+        """A DALI output batch copied into one flat uint8 tensor on the decoder's device, and the
+        (h, w, c) of each image in it."""
         import torch
 
-        patches, spans = self._patch_rows(out, batch, spec)
+        shapes = [tuple(s) for s in out.shape()]
+        pixels = torch.empty(sum(h * w * c for h, w, c in shapes), dtype=torch.uint8, device=self._torch_device)
+        if self._torch_device.type == "cuda":
+            stream = torch.cuda.current_stream(self._torch_device)
+            # Blocking: DALI reuses its output buffers on the next run().
+            out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
+        else:
+            out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()))
+        return pixels, shapes
+
+    def _pixel_value_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec, dtype) -> list:
+        """One DALI output batch -> ``pixel_values`` of each image, views into one tensor for the
+        batch. Each image costs one kernel: its patchify permutation is read in place and written,
+        normalized and cast, into frame 0 of its rows; one copy per batch fills the other frames."""
+        import torch
+
+        pixels, shapes = self._pixels(out)
+        p, m, pp, frames = spec.patch_size, spec.merge_size, spec.patch_size ** 2, spec.temporal_patch_size
+        ok = [(h, w) == job.target_hw for job, (h, w, _) in zip(jobs, shapes)]
+        total = sum(h * w // pp for (h, w, _), good in zip(shapes, ok) if good)
+        values = torch.empty((total, 3, frames, pp), dtype=dtype, device=self._torch_device)
+        offset, rows, results = 0, 0, []
+        for job, (h, w, c), good in zip(jobs, shapes, ok):
+            if not good:
+                results.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
+            else:
+                n = h * w // pp
+                gh, gw = h // p, w // p
+                image = pixels[offset:offset + h * w * c].view(gh // m, m, p, gw // m, m, p, c)
+                frame0 = values[rows:rows + n, :, 0].view(gh // m, gw // m, m, m, c, p, p)
+                normalize_into(frame0, image.permute(0, 3, 1, 4, 6, 2, 5), spec, channel_dim=4)
+                results.append(values[rows:rows + n].view(n, spec.pixel_values_dim))
+                rows += n
+            offset += h * w * c
+        repeat_frames(values, spec)
+        return results
+
+    def _host_patches(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
+        import torch
+
+        patches, spans = self._patch_rows(out, jobs, spec)
         if patches.is_cuda:
             # A fresh pinned block per batch, not one reused staging buffer plus a pageable copy: torch
             # caches freed pinned blocks, so once a caller (an actor handing rows to Ray) drops a batch
@@ -331,57 +432,33 @@ class GpuDecoder:
         rows = patches.numpy()
         return [s if isinstance(s, ImageRejected) else rows[s[0]:s[1]] for s in spans]
 
-    def _decode(self, jobs: list[DecodeJob], spec: VisionSpec, finish: Callable, timer: Timer | None) -> list:
-        """``finish(dali_output, batch)`` per DALI batch, in job order. Images DALI cannot take, and
-        the batches it rejects, come back as the CPU decoder's uint8 patch rows or ImageRejected."""
-        t0 = time.perf_counter()
-        results: list = [None] * len(jobs)
-        gpu_idx = [i for i, j in enumerate(jobs) if not _needs_pil(j.header)]
-        cpu_idx = [i for i, j in enumerate(jobs) if _needs_pil(j.header)]
-        index_batches = [gpu_idx[s:s + self.max_batch] for s in range(0, len(gpu_idx), self.max_batch)]
-
-        def emit(k: int, outputs: list) -> None:
-            for i, o in zip(index_batches[k], outputs):
-                results[i] = o
-
-        with self._lock:
-            while index_batches:
-                done = self._epoch([[jobs[i] for i in b] for b in index_batches], finish, emit)
-                if done == len(index_batches):
-                    break
-                cpu_idx.extend(index_batches[done])  # the batch DALI raised on
-                index_batches = index_batches[done + 1:]
-        if timer:
-            timer("decode", time.perf_counter() - t0, len(gpu_idx))
-        if cpu_idx:
-            for i, p in zip(cpu_idx, self._cpu.to_patches([jobs[i] for i in cpu_idx], spec, timer)):
-                results[i] = p
-        return results
-
     def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
                    timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        return self._decode(jobs, spec, lambda out, batch: self._host_patches(out, batch, spec), timer)
+        stream = self._stream([jobs], spec, lambda out, batch: self._host_patches(out, batch, spec),
+                              lambda rows: rows, timer)
+        return [r for batch in stream for r in batch]
 
     def to_pixel_values(self, jobs: list[DecodeJob], spec: VisionSpec, dtype=None,
                         timer: Timer | None = None) -> list:
         """Normalized ``pixel_values`` [h*w, spec.pixel_values_dim] per job (``vision.to_pixel_values``
         of its patch rows), on the decoder's device, or why it failed; ``dtype`` None is bfloat16.
 
-        Nothing goes through the host but the encoded bytes. Each batch is normalized in one go, so
-        an image's tensor is a view of its batch's: keeping one keeps the batch's memory.
+        Nothing goes through the host but the encoded bytes. An image's tensor is a view of its
+        DALI batch's: keeping one keeps the batch's memory.
         """
+        return [r for batch in self.stream_pixel_values([jobs], spec, dtype, timer) for r in batch]
+
+    def stream_pixel_values(self, batches: Iterable[list[DecodeJob]], spec: VisionSpec, dtype=None,
+                            timer: Timer | None = None) -> Iterator[list]:
+        """``to_pixel_values`` of each batch in turn, in one DALI epoch: the pipeline decodes the
+        next batch or two while the caller uses this one, and never drains between batches.
+        Batches are pulled lazily; one stream at a time per decoder (close or exhaust it first)."""
         import torch
 
         dtype = torch.bfloat16 if dtype is None else dtype
-
-        def finish(out, batch: list[DecodeJob]) -> list:
-            patches, spans = self._patch_rows(out, batch, spec)
-            values = to_pixel_values(patches, spec, dtype)
-            return [s if isinstance(s, ImageRejected) else values[s[0]:s[1]] for s in spans]
-
-        results = self._decode(jobs, spec, finish, timer)
-        return [to_pixel_values(torch.from_numpy(r).to(self._torch_device), spec, dtype)
-                if isinstance(r, np.ndarray) else r for r in results]
+        return self._stream(batches, spec, lambda out, batch: self._pixel_value_rows(out, batch, spec, dtype),
+                            lambda rows: to_pixel_values(torch.from_numpy(rows).to(self._torch_device), spec, dtype),
+                            timer)
 
 
 def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int = 0) -> Decoder:

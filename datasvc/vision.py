@@ -113,10 +113,30 @@ def _normalization(spec: VisionSpec) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=16)
 def _device_normalization(spec: VisionSpec, device):
-    # Cached: building these per call is a blocking host-to-device copy on every batch.
+    """(scale, -shift) as float32 [3] on ``device``. Cached: building these per call is a blocking
+    host-to-device copy on every batch."""
     import torch
 
-    return tuple(torch.as_tensor(c, device=device) for c in _normalization(spec))
+    scale, shift = _normalization(spec)
+    return torch.as_tensor(scale.reshape(3), device=device), torch.as_tensor(-shift.reshape(3), device=device)
+
+
+def normalize_into(out, pixels, spec: VisionSpec, channel_dim: int) -> None:
+    """``out = pixels * scale - shift`` per channel in one kernel: uint8 in, ``out``'s dtype out,
+    float32 arithmetic. ``pixels`` may be any strided view (a patchify permutation of an image), so
+    patchify, normalize and the cast to bfloat16 cost one pass with no float32 intermediate."""
+    import torch
+
+    scale, neg_shift = _device_normalization(spec, out.device)
+    shape = [1] * out.dim()
+    shape[channel_dim] = 3
+    torch.addcmul(neg_shift.view(shape), pixels, scale.view(shape), out=out)
+
+
+def repeat_frames(values, spec: VisionSpec) -> None:
+    """Copy frame 0 of ``values`` [N, 3, T, P*P] onto frames 1..T-1: a still image's frames are equal."""
+    if spec.temporal_patch_size > 1:
+        values[:, :, 1:] = values[:, :, :1]
 
 
 def to_pixel_values(patches, spec: VisionSpec, dtype=None):
@@ -132,8 +152,9 @@ def to_pixel_values(patches, spec: VisionSpec, dtype=None):
         x = np.repeat(x, spec.temporal_patch_size, axis=2)
         out = x.reshape(n, spec.pixel_values_dim)
         return out if dtype is None else out.astype(dtype)
-    scale, shift = _device_normalization(spec, patches.device)
-    x = patches.reshape(n, 3, 1, pp).float() * scale - shift
-    if dtype is not None:
-        x = x.to(dtype)  # before the temporal repeat: that copy then moves half the bytes
-    return x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
+    import torch
+
+    values = torch.empty((n, 3, spec.temporal_patch_size, pp), dtype=dtype or torch.float32, device=patches.device)
+    normalize_into(values[:, :, :1], patches.reshape(n, 3, 1, pp), spec, channel_dim=1)
+    repeat_frames(values, spec)
+    return values.view(n, spec.pixel_values_dim)

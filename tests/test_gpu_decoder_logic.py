@@ -112,3 +112,41 @@ def test_pixel_values_in_job_order_with_fallbacks(blobs, decoders):
         alone = normalized(gpu.to_patches([job], SPEC)[0], torch.float32)
         assert ours[i].shape == alone.shape
         assert (ours[i] - alone).abs().mean() < 4 / 127.5
+
+
+def test_stream_matches_per_call_results_and_recovers(blobs, decoders):
+    gpu, _ = decoders
+    truncated = blobs[1][: len(blobs[1]) // 3]
+    batches = [jobs_for(blobs[:3]),
+               jobs_for(blobs[3:6] + [cmyk_jpeg(), truncated] + blobs[6:9]),  # over max_batch, a bad image
+               [],
+               jobs_for([rgba_png(), cmyk_jpeg()]),  # nothing for DALI at all
+               jobs_for(blobs[:1])]
+    streamed = list(gpu.stream_pixel_values(iter(batches), SPEC, torch.float32))
+    assert [len(s) for s in streamed] == [len(b) for b in batches]
+    for got, jobs in zip(streamed, batches):
+        for g, want in zip(got, gpu.to_pixel_values(jobs, SPEC, torch.float32)):
+            if isinstance(want, ImageRejected):
+                assert isinstance(g, ImageRejected) and g.reason == want.reason
+            else:
+                assert torch.equal(g, want)
+
+
+def test_stream_pulls_lazily_and_can_be_abandoned(blobs, decoders):
+    gpu, _ = decoders
+    pulled = []
+
+    def batches():
+        for k in range(50):
+            pulled.append(k)
+            yield jobs_for(blobs[:2])
+
+    stream = gpu.stream_pixel_values(batches(), SPEC)
+    first = next(stream)
+    assert len(first) == 2
+    assert len(pulled) <= 1 + gpu.prefetch + 1  # the batch returned plus DALI's prefetch, not all 50
+    stream.close()  # the pipeline held prefetched chunks of this stream: the next call must not see them
+    again = gpu.to_pixel_values(jobs_for(blobs[4:7]), SPEC)
+    assert len(again) == 3
+    for values, p in zip(again, gpu.to_patches(jobs_for(blobs[4:7]), SPEC)):
+        assert torch.equal(values, normalized(p))

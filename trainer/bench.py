@@ -94,7 +94,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     mp = sum(j.header.pixels for j in jobs) / 1e6
     res = {"images": len(jobs), "megapixels": round(mp, 1), "batch": batch}
 
-    def timed(name, fn, repeats=5):
+    def timed(name, fn, repeats=5, images=len(jobs)):
         try:
             # Two warm-ups: pipeline build, CUDA context, nvJPEG handles, and enough pinned blocks in
             # torch's host cache that timed calls do not pay for pinning fresh pages.
@@ -104,7 +104,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
             for _ in range(repeats):
                 result = fn()
             dt = (time.perf_counter() - t0) / repeats
-            res[name] = {"img_s": round(len(jobs) / dt, 1), "mp_s": round(mp / dt, 1)}
+            res[name] = {"img_s": round(images / dt, 1), "mp_s": round(mp * images / len(jobs) / dt, 1)}
         except Exception as exc:  # one failing path must not hide the others
             res[name], result = {"error": f"{type(exc).__name__}: {exc}"[:300]}, []
         print(f"[bench] {name}: {res[name]}", flush=True)
@@ -144,6 +144,40 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     g = timed("dali_gpu_to_host_patches", lambda: gpu.to_patches(jobs, spec))
     timed("dali_gpu_to_gpu_pixel_values", lambda: to_gpu_pixel_values(gpu.to_patches(jobs, spec)))
     timed("dali_gpu_resident_pixel_values", lambda: synchronized(gpu.to_pixel_values(jobs, spec)))
+
+    def unfused_pixel_values(out, batch):
+        """Session 3's resident path, the same-run baseline for the fused kernel: patch rows
+        concatenated, then normalized through float32 intermediates and repeated."""
+        patches, spans = gpu._patch_rows(out, batch, spec)
+        n, pp = patches.shape[0], spec.patch_size ** 2
+        scale, neg_shift = (torch.as_tensor(c, device=patches.device).view(1, 3, 1, 1) for c in (
+            1 / (255 * np.asarray(spec.image_std, np.float32)),
+            -np.asarray(spec.image_mean, np.float32) / np.asarray(spec.image_std, np.float32)))
+        x = (patches.reshape(n, 3, 1, pp).float() * scale + neg_shift).to(torch.bfloat16)
+        values = x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
+        return [s if not isinstance(s, tuple) else values[s[0]:s[1]] for s in spans]
+
+    timed("dali_gpu_resident_unfused_pixel_values",
+          lambda: synchronized(list(gpu._stream(
+              [jobs], spec, unfused_pixel_values,
+              lambda rows: to_pixel_values(torch.from_numpy(rows).cuda(), spec, torch.bfloat16), None))))
+
+    def streamed(decoder, per_batch: int, rounds: int = 4):
+        """What a rank sees: batches of ``per_batch`` images in one stream, each dropped once used."""
+        batches = [jobs[i:i + per_batch] for i in range(0, len(jobs), per_batch)] * rounds
+        n = 0
+        for values in decoder.stream_pixel_values(batches, spec):
+            n += len(values)
+        return synchronized(n)
+
+    timed("dali_gpu_stream_pixel_values", lambda: streamed(gpu, batch), images=4 * len(jobs))
+    timed("dali_gpu_stream_pixel_values_per_batch8", lambda: streamed(gpu, 8), images=4 * len(jobs))
+    for name, kwargs in (("batch128", dict(max_batch=2 * batch)), ("threads8", dict(num_threads=8)),
+                         ("hw1.0", dict(hw_decoder_load=1.0))):
+        variant = GpuDecoder(device_id=0, **{"num_threads": 4, "max_batch": batch, **kwargs})
+        timed(f"dali_gpu_stream_pixel_values_{name}", lambda: streamed(variant, variant.max_batch),
+              images=4 * len(jobs))
+        del variant
     c = timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_patches(jobs, spec), repeats=2)
     timed("torchvision_nvjpeg_to_host_patches", lambda: torchvision_patches(host=True))
     timed("torchvision_nvjpeg_to_gpu_pixel_values",
@@ -185,8 +219,10 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5) if mads else None
     for name in ("to_host_patches", "to_gpu_pixel_values"):
         res[f"dali_gpu_vs_torchvision_{name}"] = ratio(f"dali_gpu_{name}", f"torchvision_nvjpeg_{name}")
-    res["dali_gpu_resident_vs_torchvision_to_gpu_pixel_values"] = ratio("dali_gpu_resident_pixel_values",
-                                                                        "torchvision_nvjpeg_to_gpu_pixel_values")
+    for path in ("resident", "resident_unfused", "stream"):
+        res[f"dali_gpu_{path}_vs_torchvision_to_gpu_pixel_values"] = ratio(f"dali_gpu_{path}_pixel_values",
+                                                                          "torchvision_nvjpeg_to_gpu_pixel_values")
+    res["fused_vs_unfused_resident"] = ratio("dali_gpu_resident_pixel_values", "dali_gpu_resident_unfused_pixel_values")
     res["dali_gpu_vs_dali_cpu_to_host_patches"] = ratio("dali_gpu_to_host_patches", "dali_cpu_all_cores_to_host_patches")
     print("[bench] gpu decode:", json.dumps(res), flush=True)
     with open(os.path.join(out, "gpu_decode.json"), "w") as f:
