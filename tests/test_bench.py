@@ -98,3 +98,13 @@ def test_cut_short_case_keeps_its_finished_steps(tmp_path):
     assert s["loss_fell"] and "data" not in s
     (tmp_path / "empty.jsonl").write_text("")
     assert partial_summary(str(tmp_path / "empty.jsonl"), wall_s=1.0) == {}
+
+
+def test_unknown_only_case_fails_fast_naming_the_choices(capsys):
+    from trainer import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--groups", "two-gpus", "--only", "3d-real-large-mbs2-1gpu", "3d-mbs99"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--only 3d-mbs99" in err and "fsdp-real-large-mbs2-2gpu" in err

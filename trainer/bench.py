@@ -302,6 +302,8 @@ def run_case(name: str, shards: list[str], extra: list[str], address: str, out: 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.bench")
     ap.add_argument("--groups", nargs="+", default=["proof", "sources", "mbs", "variants"], choices=list(GROUPS))
+    ap.add_argument("--only", nargs="+", default=None, metavar="CASE",
+                    help="run only these cases of the chosen groups (names as printed, e.g. 3d-real-mbs2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     ap.add_argument("--shards-dir", default=None, help="where synthetic/mock shards are written and reused "
                                                        "(default: OUT/shards)")
@@ -321,6 +323,12 @@ def main(argv=None) -> int:
     if args.gpu_decode_only:
         return 0
     cases = [c for g in args.groups for c in GROUPS[g]]
+    if args.only:
+        unknown = set(args.only) - {name for name, _, _ in cases}
+        if unknown:
+            ap.error(f"--only {' '.join(sorted(unknown))}: not a case of --groups {' '.join(args.groups)}; "
+                     f"choose from {', '.join(name for name, _, _ in cases)}")
+        cases = [c for c in cases if c[0] in args.only]
     sources = prepare_sources(args.shards_dir or os.path.join(args.out, "shards"), {src for _, src, _ in cases})
     address = "127.0.0.1:6390"
     subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390",
