@@ -69,6 +69,11 @@ GROUPS = {
                  _case("3d", "real-large", 2, 12, label="1gpu"),
                  _case("fsdp", "real-large", 2, 10, "--world-size", "2", label="2gpu"),
                  _case("fsdp", "real-large", 2, 10, label="1gpu")],
+    # Session 4: the same on four GPUs (EP 4 under 3d; FSDP across four), 1-GPU baselines in the run.
+    "four-gpus": [_case("3d", "real-large", 2, 12, "--world-size", "4", "--ep", "4", label="ep4-4gpu"),
+                  _case("3d", "real-large", 2, 12, label="1gpu"),
+                  _case("fsdp", "real-large", 2, 10, "--world-size", "4", label="4gpu"),
+                  _case("fsdp", "real-large", 2, 10, label="1gpu")],
 }
 
 
