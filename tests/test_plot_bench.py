@@ -33,3 +33,20 @@ def test_second_row_with_two_gpus_chunks_and_decode(tmp_path):
     out = tmp_path / "plot.png"
     assert main([str(tmp_path / "bench.json"), "--decode", str(tmp_path / "decode.json"), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_gpu_tokens_averages_repeated_baselines(tmp_path):
+    from trainer.plot_bench import per_gpu_tokens
+
+    rows = [{"case": c, "rc": 0, "tokens_per_s": t} for c, t in (
+        ("3d-real-large-mbs2-1gpu", 7000.0), ("3d-real-large-mbs2-1gpu", 8000.0),
+        ("3d-real-large-mbs2-ep2-2gpu", 16000.0), ("3d-real-large-mbs2-ep4-4gpu", 30000.0),
+        ("fsdp-real-large-mbs2-4gpu", 20000.0))]
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    parsed = load([str(tmp_path / "b.json")])
+    assert per_gpu_tokens(parsed, "3d", 1) == 7500.0
+    assert per_gpu_tokens(parsed, "3d", 2) == 8000.0
+    assert per_gpu_tokens(parsed, "3d", 4) == 7500.0
+    assert per_gpu_tokens(parsed, "fsdp", 4) == 5000.0
+    assert per_gpu_tokens(parsed, "fsdp", 1) == 0.0  # no 1-GPU fsdp case: missing, not a crash
+    assert per_gpu_tokens(parsed, "3d", 14) == 0.0  # "14gpu" must not match "4gpu"

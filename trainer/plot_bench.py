@@ -1,5 +1,5 @@
 """Plot ``trainer.bench`` results: tokens/s and data-wait share against MBS per strategy, step time
-per data source, and where the runs hold them, one GPU against two and the GPU decode comparison.
+per data source, and where the runs hold them, one GPU against several and the GPU decode comparison.
 ``python -m trainer.plot_bench BENCH.json ... [--decode gpu_decode.json] --out PNG``.
 
 Case names follow ``trainer.bench``: ``{strategy}-{source}-mbs{N}[-label]``; failed cases (OOM) are
@@ -34,7 +34,7 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scaling = [r for r in rows if r["label"].endswith(("1gpu", "2gpu")) and r["rc"] == 0]
+    scaling = [r for r in rows if re.search(r"(^|-)\d+gpu$", r["label"]) and r["rc"] == 0]
     second_row = bool(scaling or decode)
     fig, axes = plt.subplots(2 if second_row else 1, 3, figsize=(16, 9.6 if second_row else 4.8), squeeze=False)
     ax_tok, ax_wait, ax_src = axes[0]
@@ -92,7 +92,7 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
                  and r["label"] == "" and r["rc"] == 0]
         return match[0]["step_time_s"] if match else 0.0
 
-    _paired_bars(ax_src, [s.replace(suffix, "") for s in sources],
+    _grouped_bars(ax_src, [s.replace(suffix, "") for s in sources],
                  [(strategy, COLOURS[strategy], [step_time(strategy, s) for s in sources])
                   for strategy in ("fsdp", "3d")], "{:.2f}s")
     ax_src.set(ylabel="step time, s (MBS 2)", title="data source: real vs calibrated synthetic vs mock")
@@ -105,28 +105,36 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     fig.savefig(out, dpi=110)
 
 
+def per_gpu_tokens(rows: list[dict], strategy: str, gpus: int) -> float:
+    """Real tokens/s per GPU of the ``{gpus}gpu`` cases of a strategy (their mean when several runs
+    repeat one, as each multi-GPU run repeats its 1-GPU baseline); 0.0 when there is none."""
+    match = [r["tokens_per_s"] / gpus for r in rows
+             if r["strategy"] == strategy and re.search(rf"(^|-){gpus}gpu$", r["label"])]
+    return sum(match) / len(match) if match else 0.0
+
+
 def _plot_scaling(ax, rows: list[dict]) -> None:
-    """Real tokens/s per GPU, one GPU against two, per strategy (same run)."""
+    """Real tokens/s per GPU on one GPU against two or four, per strategy; a 1-GPU baseline repeated
+    in several runs is their mean."""
     if not rows:
         ax.axis("off")
         return
     strategies = [s for s in ("3d", "fsdp") if any(r["strategy"] == s for r in rows)]
+    counts = sorted({int(re.search(r"(\d+)gpu$", r["label"])[1]) for r in rows})
 
-    def per_gpu(strategy: str, gpus: int) -> float:
-        match = [r for r in rows if r["strategy"] == strategy and r["label"].endswith(f"{gpus}gpu")]
-        return match[0]["tokens_per_s"] / gpus if match else 0.0
-
-    _paired_bars(ax, [f"{s} (EP2 on 2)" if s == "3d" else s for s in strategies],
-                 [(f"{g} GPU{'s' if g > 1 else ''}", colour, [per_gpu(s, g) for s in strategies])
-                  for g, colour in ((1, "tab:gray"), (2, "tab:purple"))], "{:,.0f}")
-    ax.set(ylabel="real tokens / s per GPU (MBS 2)", title="one GPU vs two")
+    colours = {1: "tab:gray", 2: "tab:purple", 4: "tab:red", 8: "tab:brown"}
+    _grouped_bars(ax, [f"{s} (EP = GPUs)" if s == "3d" else s for s in strategies],
+                  [(f"{g} GPU{'s' if g > 1 else ''}", colours.get(g, "tab:olive"), [per_gpu_tokens(rows, s, g) for s in strategies])
+                   for g in counts], "{:,.0f}")
+    ax.set(ylabel="real tokens / s per GPU (MBS 2)", title=f"per GPU on {', '.join(map(str, counts))} GPUs")
 
 
-def _paired_bars(ax, groups: list[str], series: list[tuple[str, str, list[float]]], fmt: str) -> None:
-    """Two bars per group, (name, colour, one value per group) each, labelled with ``fmt``; 0 = missing."""
-    width = 0.38
+def _grouped_bars(ax, groups: list[str], series: list[tuple[str, str, list[float]]], fmt: str) -> None:
+    """One bar per series in each group, (name, colour, one value per group) each, labelled with
+    ``fmt``; 0 = missing."""
+    width = 0.8 / len(series)
     for k, (name, colour, values) in enumerate(series):
-        xs = [i + (k - 0.5) * width for i in range(len(groups))]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
         ax.bar(xs, values, width, color=colour, label=name)
         for x, v in zip(xs, values):
             if v:
