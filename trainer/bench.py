@@ -69,6 +69,11 @@ GROUPS = {
                  _case("3d", "real-large", 2, 12, label="1gpu"),
                  _case("fsdp", "real-large", 2, 10, "--world-size", "2", label="2gpu"),
                  _case("fsdp", "real-large", 2, 10, label="1gpu")],
+    # Session 4: real vs calibrated synthetic vs image-free mock at MBS 8, where the vision tower's
+    # share of the step is largest (Session 2 compared them at MBS 2).
+    "sources-mbs8": [_case("3d", src, 8, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
+                           "--expandable-segments", label="recompute-vchunk32k-expseg")
+                     for src in ("real-large", "synthetic-large", "mock-large")],
     # Session 4: the same on four GPUs (EP 4 under 3d; FSDP across four), 1-GPU baselines in the run.
     "four-gpus": [_case("3d", "real-large", 2, 12, "--world-size", "4", "--ep", "4", label="ep4-4gpu"),
                   _case("3d", "real-large", 2, 12, label="1gpu"),
