@@ -50,3 +50,16 @@ def test_per_gpu_tokens_averages_repeated_baselines(tmp_path):
     assert per_gpu_tokens(parsed, "fsdp", 4) == 5000.0
     assert per_gpu_tokens(parsed, "fsdp", 1) == 0.0  # no 1-GPU fsdp case: missing, not a crash
     assert per_gpu_tokens(parsed, "3d", 14) == 0.0  # "14gpu" must not match "4gpu"
+
+
+def test_source_speedups_pair_runs_with_the_same_options(tmp_path):
+    from trainer.plot_bench import source_speedups
+
+    rows = [{"case": c, "rc": rc, "step_time_s": t} for c, rc, t in (
+        ("3d-real-large-mbs2", 0, 0.8), ("3d-mock-large-mbs2", 0, 0.4), ("3d-synthetic-large-mbs2", 0, 1.0),
+        ("3d-real-large-mbs8-vchunk", 0, 2.7), ("3d-mock-large-mbs8-vchunk", 0, 0.6),
+        ("3d-synthetic-large-mbs8", 0, 9.9),  # other options than the real MBS 8 case: not a pair
+        ("fsdp-real-large-mbs2", 0, 1.1), ("fsdp-mock-large-mbs2", 1, None))]
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    assert source_speedups(load([str(tmp_path / "b.json")]), "-large") == {
+        "3d MBS 2": {"synthetic": 0.8, "mock": 2.0}, "3d MBS 8": {"mock": 4.5}}
