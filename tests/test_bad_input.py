@@ -155,3 +155,21 @@ def test_garbage_file_is_one_counted_rejection(tmp_path, qwen3vl, cpu_decoder):
     idx = index_shard(path)
     res = process_item(WorkItem(path, 0, tuple(idx.samples)), qwen3vl, cpu_decoder)
     assert res.accounting.quarantined["unreadable_tar"] == 1
+
+
+def test_block_sizing_probe_skips_bad_samples_and_never_unpickles(hostile_shard):
+    from datasvc.config import ServiceConfig
+    from datasvc.plan import sample_token_counts, size_blocks
+    from datasvc.shards import index_shard
+
+    path, canary = hostile_shard
+    cfg = ServiceConfig(shards=(path,), pipeline="qwen3vl", pipeline_options={"max_pixels": 256 * 256},
+                        seq_len=1024, micro_batch_size=2)
+    index = index_shard(path)
+    lengths = sample_token_counts(cfg, [index])
+    # The three good samples at least; never the ones whose headers or text the run rejects.
+    assert 3 <= len(lengths) < len(index.samples)
+    assert all(0 < n <= 1024 for n in lengths)
+    sized, sizing = size_blocks(cfg, indexes=[index])
+    assert sized.items_per_block >= 1 and sizing.probed_samples == len(lengths)
+    assert not os.path.exists(canary)

@@ -41,7 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--min-pixels", type=int, default=None)
     g.add_argument("--data-seed", type=int, default=0)
     g.add_argument("--items-per-block", type=int, default=None,
-                   help="work items packed together (default: 2 x MBS, at least 4)")
+                   help="work items packed together (default: sized from the shards to fill --block-micro-batches)")
+    g.add_argument("--block-micro-batches", type=int, default=8,
+                   help="micro-batches a packing block should fill when --items-per-block is not given: "
+                        "about half a micro-batch of padding rows is lost per block; memory grows with it")
     add_cli_args(p)
     args = p.parse_args(argv)
     args._given = {a.split("=")[0] for a in argv if a.startswith("--")}
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from datasvc.cluster import connect
     from datasvc.config import ServiceConfig
+    from datasvc.plan import size_blocks
     from datasvc.registry import available
     from datasvc.service import DataService
     from trainer.config import from_args
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.pipeline not in available():
         raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
+    if args.block_micro_batches < 1 or (args.items_per_block is not None and args.items_per_block < 1):
+        raise SystemExit("--block-micro-batches and --items-per-block must be >= 1")
     # Logical CPUs of an embedded cluster: enough for the trainer ranks plus the smallest data pools
     # (they oversubscribe a small dev box, which is what a development run wants).
     want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + args.data_actors[0] * args.decode_threads))
@@ -131,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                              consumers_per_replica=layout0.model_parallel, epochs=None, seed=args.data_seed,
                              decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1],
-                             # A block packs on its own: it must hold several rows' worth of samples
-                             # or every micro-batch at a large MBS ends part empty.
-                             items_per_block=args.items_per_block or max(4, 2 * cfg.train.mbs))
+                             items_per_block=args.items_per_block or 1)
+    sizing = None
+    if args.items_per_block is None:
+        data_cfg, sizing = size_blocks(data_cfg, target_micro_batches=args.block_micro_batches)
+        log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
+                 data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
     os.makedirs(args.out, exist_ok=True)
     metrics = os.path.abspath(os.path.join(args.out, "metrics.jsonl"))
     if os.path.exists(metrics):
@@ -160,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         service.shutdown()
     records = next((r for r in results if r), [])
     summary = summarize(records, data_stats, backend, world, time.time() - t0)
+    summary["items_per_block"] = data_cfg.items_per_block
+    if sizing:
+        summary["block_sizing"] = sizing.as_dict()
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=2))

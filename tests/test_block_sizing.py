@@ -1,0 +1,76 @@
+"""Blocks sized in micro-batches: a block packs on its own, so a block of few rows leaves its last
+micro-batch part empty. ``size_blocks`` chooses the item count that fills about N micro-batches."""
+import numpy as np
+import pytest
+
+from datasvc.batch import EncodedSample
+from datasvc.config import ServiceConfig
+from datasvc.packing import PackingConfig, pack
+from datasvc.plan import EpochPlan, sample_token_counts, size_blocks
+from datasvc.shards import expand_shards, index_shard
+
+SEQ = 1024
+
+
+def config(shards, mbs, **kw):
+    return ServiceConfig(shards=tuple(shards), pipeline="qwen3vl", pipeline_options={"max_pixels": 256 * 256},
+                         seq_len=SEQ, micro_batch_size=mbs, samples_per_item=4, **kw)
+
+
+def fill(lengths: list[int], samples_per_block: int, mbs: int) -> float:
+    """Real-token fraction of the micro-batches the packer makes from consecutive blocks."""
+    real = slots = 0
+    for b in range(0, len(lengths) - samples_per_block + 1, samples_per_block):
+        samples = [EncodedSample(str(i), "s", np.zeros(n, np.int64), np.zeros(n, np.int64),
+                                 np.zeros((0, 768), np.uint8), np.zeros((0, 3), np.int64))
+                   for i, n in enumerate(lengths[b:b + samples_per_block])]
+        for batch in pack(samples, PackingConfig(seq_len=SEQ, micro_batch_size=mbs), 768)[0]:
+            real += int(batch.cu_seqlens[:, -1].sum())
+            slots += batch.tokens.size
+    return real / slots
+
+
+@pytest.fixture(scope="module")
+def token_counts(photo_shards):
+    indexes = [index_shard(p) for p in expand_shards(photo_shards)]
+    lengths = sample_token_counts(config(photo_shards, 1), indexes)
+    assert len(lengths) == sum(len(i.samples) for i in indexes)  # every good sample, none decoded
+    return np.random.default_rng(0).permutation(lengths * 20).tolist()  # enough for several blocks
+
+
+@pytest.mark.parametrize("mbs", [1, 4, 8])
+def test_sized_blocks_fill_their_micro_batches(photo_shards, token_counts, mbs):
+    sized, sizing = size_blocks(config(photo_shards, mbs))
+    assert sizing.items_per_block == sized.items_per_block and sizing.probed_samples > 0
+    per_block = round(sized.items_per_block * sizing.samples_per_item)
+    # About eight micro-batches of rows per block (the probe's mean is within 10% of the full one).
+    rows_per_sample = np.mean(token_counts) / SEQ
+    assert 8 * mbs <= 1.1 * per_block * rows_per_sample
+    assert (per_block - sizing.samples_per_item) * rows_per_sample <= 1.1 * 8 * mbs
+    # Half a micro-batch of padding rows per block is 1/16 at eight: at least 0.87 real tokens a slot.
+    assert fill(token_counts, per_block, mbs) >= 0.87
+    # A block of one micro-batch's worth loses far more to its part-empty last micro-batch.
+    small = round(size_blocks(config(photo_shards, mbs), target_micro_batches=1)[0].items_per_block
+                  * sizing.samples_per_item)
+    assert fill(token_counts, small, mbs) < fill(token_counts, per_block, mbs) - 0.05
+
+
+def test_sizing_is_deterministic_and_part_of_the_fingerprint(photo_shards):
+    a, _ = size_blocks(config(photo_shards, 4))
+    b, _ = size_blocks(config(photo_shards, 4))
+    assert a == b and a.fingerprint() == b.fingerprint()
+    c, _ = size_blocks(config(photo_shards, 4), target_micro_batches=2)
+    assert c.items_per_block < a.items_per_block and c.fingerprint() != a.fingerprint()
+
+
+def test_padded_rows_size_blocks_by_samples_without_probing(photo_shards):
+    cfg = config(photo_shards, 2, pack=False)
+    sized, sizing = size_blocks(cfg, target_micro_batches=3)
+    per_item = EpochPlan(cfg).samples_per_item
+    assert sizing.probed_samples == 0 and sizing.tokens_per_sample is None
+    assert sized.items_per_block == int(np.ceil(3 * 2 / per_item))
+
+
+def test_bad_target_fails_fast(photo_shards):
+    with pytest.raises(ValueError, match="target_micro_batches"):
+        size_blocks(config(photo_shards, 1), target_micro_batches=0)
