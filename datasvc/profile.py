@@ -409,17 +409,21 @@ class Settings:
     max_pixels: int | None = None
     samples_per_item: int = 16
     items_per_block: int = 4
+    block_micro_batches: int | None = None
+    """Size blocks as ``trainer.run`` does (``plan.size_blocks``) instead of ``items_per_block``."""
     seed: int = 0
 
     def config(self, mbs: int, actors: int):
         from datasvc.config import ServiceConfig
+        from datasvc.plan import size_blocks
 
         opts = {"max_pixels": self.max_pixels} if self.max_pixels else {}
-        return ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=opts,
-                             seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
-                             decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
-                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
-                             items_per_block=self.items_per_block, seed=self.seed)
+        cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=opts,
+                            seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
+                            decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
+                            autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
+                            items_per_block=self.items_per_block, seed=self.seed)
+        return size_blocks(cfg, self.block_micro_batches)[0] if self.block_micro_batches else cfg
 
 
 def profile(settings: Settings, demand: Demand | None = None, progress: bool = True, label: str = "") -> dict:
@@ -428,8 +432,10 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
     for mbs in settings.mbs:
         for a in settings.actors:
             desc = f"{label + ' ' if label else ''}MBS {mbs}, {a} actor(s)"
-            r = measure(settings.config(mbs, a), samples=settings.samples, seconds=settings.seconds,
+            cfg = settings.config(mbs, a)
+            r = measure(cfg, samples=settings.samples, seconds=settings.seconds,
                         model=demand.model, progress=progress, desc=desc)
+            r["items_per_block"] = cfg.items_per_block
             runs.append(r)
             print(f"  {desc}: {r['rates']['samples_per_s']:.1f} samples/s, "
                   f"{r['rates']['micro_batches_per_s']:.2f} micro-batches/s", file=sys.stderr, flush=True)
@@ -870,7 +876,13 @@ def _common(ap: argparse.ArgumentParser) -> None:
     amount.add_argument("--seconds", type=float, help="seconds to measure per setting")
     ap.add_argument("--max-pixels", type=int, help="pipeline max_pixels (default: the pipeline's)")
     ap.add_argument("--samples-per-item", type=int, default=16)
-    ap.add_argument("--items-per-block", type=int, default=4)
+    blocks = ap.add_mutually_exclusive_group()
+    blocks.add_argument("--items-per-block", type=int, default=4,
+                        help="work items packed together (default 4: quick to measure, but its 'pack eff' "
+                             "is below what trainer.run's sized blocks reach)")
+    blocks.add_argument("--block-micro-batches", type=int, default=None,
+                        help="size blocks to fill this many micro-batches, as trainer.run does (default 8 "
+                             "there); the window needs about three blocks of --samples per setting")
     ap.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
     dem = ap.add_mutually_exclusive_group()
     dem.add_argument("--step-time", type=_floats,
@@ -891,7 +903,7 @@ def _settings(args, shards) -> Settings:
     return Settings(shards=shards, pipeline=args.pipeline, seq_len=args.seq_len, mbs=args.mbs, decode=args.decode,
                     actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
                     max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,
-                    items_per_block=args.items_per_block)
+                    items_per_block=args.items_per_block, block_micro_batches=args.block_micro_batches)
 
 
 def _demand(args, ap) -> Demand:
@@ -954,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--repeat", type=int, default=2)
     _common(ap)
     args = ap.parse_args(argv)
+    if args.block_micro_batches is not None and args.block_micro_batches < 1:
+        ap.error("--block-micro-batches must be >= 1")
     if mode == "synth-check" and "--mbs" not in argv:
         args.mbs = [1]
     if mode == "synth-check" and "--actors" not in argv:

@@ -178,3 +178,29 @@ def test_calibrated_synthetic_costs_what_real_photos_cost(photo_shards, tmp_path
     assert s["ratio"]["megapixels_per_cpu_s"] == pytest.approx(1.0, abs=0.30)
     assert m["images"] == 0 and m["cpu_ms_per_sample"] < 0.05 * real["cpu_ms_per_sample"]
     assert "vision tokens/sample" in prof.image_cost_table(cost)
+
+
+def test_sized_blocks_are_profiled_like_training(ray_local, photo_shards, tmp_path):
+    """--block-micro-batches packs blocks as trainer.run does: more items a block than the default 4,
+    and (on these photos) fuller rows than a one-micro-batch block."""
+    import contextlib
+    import io
+
+    def run(*extra):
+        out = tmp_path / "-".join(extra)
+        argv = [*photo_shards, "--mbs", "2", "--actors", "1", "--samples", "60", "--samples-per-item", "4",
+                "--seq-len", "1024", "--max-pixels", str(256 * 256), "--out", str(out), "--no-progress", *extra]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert prof.main(argv) == 0
+        (r,) = json.load(open(out / "profile.json"))["runs"]
+        return r
+
+    sized, tiny = run("--block-micro-batches", "4"), run("--items-per-block", "1")
+    assert sized["items_per_block"] > 1 and tiny["items_per_block"] == 1
+    assert sized["packing_efficiency"] > tiny["packing_efficiency"]
+
+
+def test_bad_block_micro_batches_fails_fast(photo_shards, capsys):
+    with pytest.raises(SystemExit):
+        prof.main([*photo_shards, "--block-micro-batches", "0"])
+    assert "--block-micro-batches must be >= 1" in capsys.readouterr().err
