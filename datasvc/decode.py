@@ -254,7 +254,7 @@ class GpuDecoder:
     The DALI pipeline runs asynchronously and pipelined: decoding batch k+1 overlaps the patchify of
     batch k. A call is one DALI epoch, so the pipeline fills and drains once per call;
     ``stream_pixel_values`` keeps one epoch over a whole stream of batches (how a training rank
-    consumes micro-batches). Images the GPU decoder cannot take (CMYK, 16-bit, palette, alpha) and
+    would consume micro-batches). Images the GPU decoder cannot take (CMYK, 16-bit, palette, alpha) and
     any batch DALI rejects go to the CPU backend, which isolates the bad image and names the reason.
 
     ``device_id=None`` runs the same pipeline with DALI's CPU operators and torch on the CPU: slow,
