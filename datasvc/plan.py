@@ -78,7 +78,7 @@ class BlockSizing:
 
 
 def size_blocks(cfg: ServiceConfig, target_micro_batches: int = 8, probe_samples: int = 64,
-                indexes: list[ShardIndex] | None = None) -> tuple[ServiceConfig, BlockSizing]:
+                probe_shards: int = 8, indexes: list[ShardIndex] | None = None) -> tuple[ServiceConfig, BlockSizing]:
     """``cfg`` with ``items_per_block`` set so that a block packs into about ``target_micro_batches``
     full micro-batches.
 
@@ -88,15 +88,21 @@ def size_blocks(cfg: ServiceConfig, target_micro_batches: int = 8, probe_samples
     2 x MBS items, 0.95-0.98 with blocks of about eight micro-batches). The cost is memory: a feeder
     holds up to three blocks, about ``3 x target x MBS x seq_len`` tokens of samples.
 
-    Tokens per sample come from up to ``probe_samples`` samples drawn with the data seed: image
-    headers give the patch grids and the pipeline's own encoder gives the token count, so no pixel
-    is decoded. The choice is a pure function of the shards and the config, and it is part of
-    ``cfg.fingerprint()``, so a resumed run that re-derives it continues exactly.
+    Samples per item and tokens per sample come from ``probe_shards`` shards drawn with the data
+    seed (all of ``indexes`` when given), so the driver's cost does not grow with the dataset; up to
+    ``probe_samples`` of their samples are read. Image headers give the patch grids and the
+    pipeline's own encoder gives the token count, so no pixel is decoded. The choice is a pure
+    function of the shards and the config, and it is part of ``cfg.fingerprint()``, so a resumed run
+    that re-derives it continues exactly.
     """
     import dataclasses
 
     if target_micro_batches < 1:
         raise ValueError(f"target_micro_batches must be >= 1, got {target_micro_batches}")
+    if indexes is None:
+        paths = expand_shards(list(cfg.shards))
+        chosen = sorted(np.random.default_rng([cfg.seed, 3]).permutation(len(paths))[:probe_shards])
+        indexes = [index_shard(paths[i]) for i in chosen]
     plan = EpochPlan(cfg, indexes)
     per_item = plan.samples_per_item
     rows = target_micro_batches * cfg.micro_batch_size

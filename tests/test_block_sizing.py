@@ -65,10 +65,26 @@ def test_sizing_is_deterministic_and_part_of_the_fingerprint(photo_shards):
 
 def test_padded_rows_size_blocks_by_samples_without_probing(photo_shards):
     cfg = config(photo_shards, 2, pack=False)
-    sized, sizing = size_blocks(cfg, target_micro_batches=3)
-    per_item = EpochPlan(cfg).samples_per_item
+    sized, sizing = size_blocks(cfg, target_micro_batches=3, probe_shards=len(photo_shards))
+    assert sizing.samples_per_item == round(EpochPlan(cfg).samples_per_item, 2)  # every shard probed
     assert sizing.probed_samples == 0 and sizing.tokens_per_sample is None
-    assert sized.items_per_block == int(np.ceil(3 * 2 / per_item))
+    assert sized.items_per_block == int(np.ceil(3 * 2 / EpochPlan(cfg).samples_per_item))
+
+
+def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch):
+    import datasvc.plan as plan
+
+    indexed = []
+    real_index = plan.index_shard
+    monkeypatch.setattr(plan, "index_shard", lambda p: indexed.append(p) or real_index(p))
+    a, _ = size_blocks(config(photo_shards, 2), probe_shards=3)
+    first = list(indexed)
+    indexed.clear()
+    b, _ = size_blocks(config(photo_shards, 2), probe_shards=3)
+    assert len(first) == 3 and indexed == first and a == b  # bounded and deterministic
+    indexed.clear()
+    size_blocks(config(photo_shards, 2, seed=5), probe_shards=3)
+    assert len(indexed) == 3
 
 
 def test_bad_target_fails_fast(photo_shards):
