@@ -83,10 +83,10 @@ def size_blocks(cfg: ServiceConfig, target_micro_batches: int = 8, probe_samples
     full micro-batches.
 
     A block packs on its own, so its last micro-batch is part empty: about half a micro-batch of
-    padding rows per block. With a fixed item count the loss grows with MBS (measured on the bundled
-    photos at seq 4096: 0.80 real tokens per slot at MBS 2 and 0.71 at MBS 8 with the earlier
-    2 x MBS items, 0.95-0.98 with blocks of about eight micro-batches). The cost is memory: a feeder
-    holds up to three blocks, about ``3 x target x MBS x seq_len`` tokens of samples.
+    padding rows per block, whatever its size. With a fixed item count, blocks of small shards hold
+    few rows and lose much (measured on the H200 at MBS 2, seq 4096, same run: 0.71 real tokens a
+    slot with the earlier 4-item blocks, 0.89 sized; docs/benchmarks.md S4.5). The cost is memory:
+    a feeder holds up to three blocks, about ``3 x target x MBS x seq_len`` tokens of samples.
 
     Samples per item and tokens per sample come from ``probe_shards`` shards drawn with the data
     seed (all of ``indexes`` when given), so the driver's cost does not grow with the dataset; up to
