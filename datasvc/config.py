@@ -28,6 +28,9 @@ class ServiceConfig:
     """Samples per work item (the unit an actor processes and redoes after a failure)."""
     items_per_block: int = 4
     """Work items shuffled and packed together; also the granularity of exact resume."""
+    blocks_span_epochs: bool = False
+    """Cut blocks from the epochs laid end to end: an epoch then ends without a part-empty block.
+    Positions count blocks from the stream's start; each epoch still holds each sample once."""
     decode: Literal["cpu", "gpu"] = "cpu"
     decode_threads: int = 1
     decode_gpu_share: float = 0.25
@@ -76,5 +79,8 @@ class ServiceConfig:
         keys = ("shards", "pipeline", "pipeline_options", "seq_len", "micro_batch_size", "pack", "dp_size",
                 "seed", "samples_per_item", "items_per_block")
         d = asdict(self)
-        blob = json.dumps({k: d[k] for k in keys}, sort_keys=True, default=str)
+        fields = {k: d[k] for k in keys}
+        if self.blocks_span_epochs:  # only when set, so states saved before the option still restore
+            fields["blocks_span_epochs"] = True
+        blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -44,13 +44,39 @@ class EpochPlan:
         """Mean samples in a work item: fewer than ``cfg.samples_per_item`` where shards are small."""
         return self.total_samples / max(1, len(self._items))
 
+    def items(self, epoch: int, rank: int) -> list:
+        """This rank's work items for the epoch, in delivery order."""
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self._items))
+        return [self._items[i] for i in order[rank::self.cfg.dp_size]]
+
     def blocks(self, epoch: int, rank: int) -> list[list]:
         """This rank's work items for the epoch, grouped into blocks, in delivery order."""
-        rng = np.random.default_rng([self.cfg.seed, epoch])
-        order = rng.permutation(len(self._items))
-        mine = [self._items[i] for i in order[rank::self.cfg.dp_size]]
+        mine = self.items(epoch, rank)
         n = self.cfg.items_per_block
         return [mine[i:i + n] for i in range(0, len(mine), n)]
+
+    def spanning_blocks(self, rank: int, start_block: int = 0):
+        """(epoch, block, items) from ``start_block`` on, cut from this rank's items of epoch 0, 1, ...
+        laid end to end, so a block may run past the end of an epoch into the next; ``epoch`` is the
+        epoch of the block's first item. Every epoch still holds each item once. An epoch then ends
+        without a part-empty block of its own, which matters when an epoch is only a few blocks."""
+        n = self.cfg.items_per_block
+        per_epoch = len(self.items(0, rank))
+        total = None if self.cfg.epochs is None else self.cfg.epochs * per_epoch
+        orders: dict[int, list] = {}
+        block = start_block
+        while per_epoch and (total is None or block * n < total):
+            first = block * n
+            end = first + n if total is None else min(first + n, total)
+            items = []
+            for i in range(first, end):
+                epoch = i // per_epoch
+                if epoch not in orders:
+                    orders = {e: o for e, o in orders.items() if e >= epoch - 1}
+                    orders[epoch] = self.items(epoch, rank)
+                items.append(orders[epoch][i % per_epoch])
+            yield first // per_epoch, block, items
+            block += 1
 
     def pack_block(self, samples: list[EncodedSample], epoch: int, rank: int, block: int,
                    pad_id: int, patch_dim: int) -> tuple[list[PackedBatch], list[EncodedSample]]:

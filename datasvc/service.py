@@ -347,6 +347,9 @@ class Feeder:
     # ---- producer side -------------------------------------------------------------------------
     def _schedule(self):
         """(epoch, block, items) from the start position on, lazily."""
+        if self.cfg.blocks_span_epochs and self.plan.items(0, self.rank):
+            yield from self.plan.spanning_blocks(self.rank, self.start.block)
+            return
         epoch = self.start.epoch
         while self.cfg.epochs is None or epoch < self.cfg.epochs:
             blocks = self.plan.blocks(epoch, self.rank)

@@ -90,3 +90,28 @@ def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch
 def test_bad_target_fails_fast(photo_shards):
     with pytest.raises(ValueError, match="target_micro_batches"):
         size_blocks(config(photo_shards, 1), target_micro_batches=0)
+
+
+def test_spanning_blocks_lay_epochs_end_to_end(photo_shards):
+    cfg = config(photo_shards, 2, items_per_block=3, epochs=2, blocks_span_epochs=True)
+    plan = EpochPlan(cfg)
+    per_epoch = plan.items(0, 0)
+    blocks = list(plan.spanning_blocks(0))
+    assert [b for _, b, _ in blocks] == list(range(len(blocks)))
+    assert [i for _, _, items in blocks for i in items] == per_epoch + plan.items(1, 0)  # each once per epoch
+    assert all(len(items) == 3 for _, _, items in blocks[:-1])  # only the very last block is short
+    k = len(per_epoch) // 3  # the block where epoch 0 ends
+    assert len(per_epoch) % 3, "test shards must make a block straddle the epoch end"
+    epoch, _, items = blocks[k]
+    assert epoch == 0 and items == per_epoch[3 * k:] + plan.items(1, 0)[:3 * (k + 1) - len(per_epoch)]
+    assert blocks[k + 1][0] == 1  # labelled by the epoch of its first item
+    assert list(plan.spanning_blocks(0, start_block=4)) == blocks[4:]  # resume from any block
+    endless = config(photo_shards, 2, items_per_block=3, epochs=None, blocks_span_epochs=True)
+    first = [b for _, b in zip(range(3 * len(blocks)), EpochPlan(endless).spanning_blocks(0))]
+    assert [e for e, _, _ in first][-1] >= 4  # streams on past the epochs a finite plan would stop at
+
+
+def test_spanning_blocks_change_the_fingerprint_only_when_set(photo_shards):
+    base = config(photo_shards, 2, items_per_block=3)
+    assert config(photo_shards, 2, items_per_block=3, blocks_span_epochs=False).fingerprint() == base.fingerprint()
+    assert config(photo_shards, 2, items_per_block=3, blocks_span_epochs=True).fingerprint() != base.fingerprint()

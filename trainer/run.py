@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     data_cfg = ServiceConfig(shards=shards, pipeline=args.pipeline, pipeline_options=pipe_opts,
                              seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=dp,
                              pack=not cfg.train.padded,
-                             consumers_per_replica=layout0.model_parallel, epochs=None, seed=args.data_seed,
+                             consumers_per_replica=layout0.model_parallel, epochs=None, blocks_span_epochs=True,
+                             seed=args.data_seed,
                              decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1],
                              items_per_block=args.items_per_block or 1)
