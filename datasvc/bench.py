@@ -321,26 +321,19 @@ def encoded_from_headers(shards: list[str], pipeline) -> tuple[list, dict]:
     """EncodedSamples with exact token rows, grids from the headers (no pixels: packing needs
     only lengths and patch counts, so patches are zero-width arrays of the right row count)."""
     from datasvc.batch import EncodedSample
-    from datasvc.decode import probe
+    from datasvc.process import encode_from_headers
     from datasvc.rejects import Accounting
     from datasvc.shards import ReadLimits, index_shard, read_samples
     from datasvc.text import SampleRejected
     from datasvc.vision import ImageRejected
 
-    spec = pipeline.vision
     acct = Accounting()
     out = []
     for path in shards:
         for raw in read_samples(path, index_shard(path).samples, ReadLimits()):
             acct.read += 1
             try:
-                if raw.problem:
-                    raise ImageRejected(raw.problem, raw.detail)
-                grids = []
-                for _ext, data in raw.images:
-                    h = probe(data, spec.max_decode_pixels)
-                    grids.append(spec.grid(h.height, h.width))
-                ids, labels = pipeline.encode(raw, grids)
+                ids, labels, grids = encode_from_headers(raw, pipeline)
             except (ImageRejected, SampleRejected) as exc:
                 acct.reject(raw.shard, raw.key, exc.reason, exc.detail)
                 continue

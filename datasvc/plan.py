@@ -146,12 +146,11 @@ def sample_token_counts(cfg: ServiceConfig, indexes: list[ShardIndex], limit: in
     """Token counts (capped at seq_len) of up to ``limit`` samples drawn with the data seed (all when
     None), from image headers and the pipeline's encoder, without decoding a pixel. Samples that the
     run would reject are left out here; the run counts them where it meets them."""
-    from datasvc.decode import probe
+    from datasvc.process import encode_from_headers
     from datasvc.registry import get_pipeline
     from datasvc.shards import ReadLimits, read_samples
 
     pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-    spec = pipeline.vision
     where = [(idx.path, s) for idx in indexes for s in idx.samples if not s.problem]
     chosen = np.random.default_rng([cfg.seed, 2]).permutation(len(where))[:limit]
     by_shard: dict[str, list] = {}
@@ -161,12 +160,8 @@ def sample_token_counts(cfg: ServiceConfig, indexes: list[ShardIndex], limit: in
     lengths = []
     for path, samples in by_shard.items():
         for raw in read_samples(path, samples, limits):
-            if raw.problem:
-                continue
             try:
-                grids = [spec.grid(h.height, h.width) for h in
-                         (probe(data, spec.max_decode_pixels) for _, data in raw.images)]
-                ids, _ = pipeline.encode(raw, grids)
+                ids, _, _ = encode_from_headers(raw, pipeline)
             except ValueError:  # ImageRejected, SampleRejected
                 continue
             lengths.append(min(len(ids), cfg.seq_len))

@@ -119,6 +119,21 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
 
 
+def encode_from_headers(raw, pipeline: Pipeline) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """A sample's exact token rows and patch grids from its image headers alone, no pixel decoded
+    (what packing and block sizing need). Raises ``ImageRejected`` or ``SampleRejected`` with the
+    reason the run would count; a read problem comes back as an ``ImageRejected`` of that reason."""
+    if raw.problem:
+        raise ImageRejected(raw.problem, raw.detail)
+    spec = pipeline.vision
+    grids = []
+    for _ext, data in raw.images:
+        h = probe(data, spec.max_decode_pixels)
+        grids.append(spec.grid(h.height, h.width))
+    ids, labels = pipeline.encode(raw, grids)
+    return ids, labels, grids
+
+
 def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
                       times: StageTimes | None = None) -> list[tuple[np.ndarray, tuple] | ImageRejected]:
     """Encoded images -> (uint8 patches, grid) each, or the reason one was rejected.
