@@ -96,7 +96,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     from datasvc.bench import photo_set
     from datasvc.decode import CpuDecoder, DecodeJob, GpuDecoder, probe
-    from datasvc.vision import VisionSpec, patchify, to_pixel_values
+    from datasvc.vision import VisionSpec, _normalization, patchify, to_pixel_values
 
     spec = VisionSpec(max_pixels=16777216)
     photos = photo_set(n_images, min_mp=1.0, max_mp=2.0)
@@ -163,10 +163,8 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         concatenated, then normalized through float32 intermediates and repeated."""
         patches, spans = gpu._patch_rows(out, batch, spec)
         n, pp = patches.shape[0], spec.patch_size ** 2
-        scale, neg_shift = (torch.as_tensor(c, device=patches.device).view(1, 3, 1, 1) for c in (
-            1 / (255 * np.asarray(spec.image_std, np.float32)),
-            -np.asarray(spec.image_mean, np.float32) / np.asarray(spec.image_std, np.float32)))
-        x = (patches.reshape(n, 3, 1, pp).float() * scale + neg_shift).to(torch.bfloat16)
+        scale, shift = (torch.as_tensor(c, device=patches.device) for c in _normalization(spec))
+        x = (patches.reshape(n, 3, 1, pp).float() * scale - shift).to(torch.bfloat16)
         values = x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
         return [s if not isinstance(s, tuple) else values[s[0]:s[1]] for s in spans]
 
