@@ -34,8 +34,10 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    suffix = "-large" if source.endswith("-large") else ""
     scaling = [r for r in rows if re.search(r"(^|-)\d+gpu$", r["label"]) and r["rc"] == 0]
-    second_row = bool(scaling or decode or len(source_speedups(rows, "-large" if source.endswith("-large") else "")) > 1)
+    speedups = source_speedups(rows, suffix)
+    second_row = bool(scaling or decode or len(speedups) > 1)
     fig, axes = plt.subplots(2 if second_row else 1, 3, figsize=(16, 9.6 if second_row else 4.8), squeeze=False)
     ax_tok, ax_wait, ax_src = axes[0]
     # The MBS sweep: trainable vision, recompute only where MBS needs it.
@@ -89,41 +91,36 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.xaxis.set_minor_formatter(NullFormatter())
 
-    suffix = "-large" if source.endswith("-large") else ""
     sources = [f"real{suffix}", f"synthetic{suffix}", f"mock{suffix}"]
-
-    def step_time(strategy: str, source_name: str) -> float:
-        match = [r for r in rows if r["strategy"] == strategy and r["source"] == source_name and r["mbs"] == 2
-                 and r["label"] == "" and r["rc"] == 0]
-        return match[0]["step_time_s"] if match else 0.0
-
     _grouped_bars(ax_src, [s.replace(suffix, "") for s in sources],
-                 [(strategy, COLOURS[strategy], [step_time(strategy, s) for s in sources])
-                  for strategy in ("fsdp", "3d")], "{:.2f}s")
+                  [(strategy, COLOURS[strategy], [step_time(rows, strategy, s, 2, "") or 0.0 for s in sources])
+                   for strategy in ("fsdp", "3d")], "{:.2f}s")
     ax_src.set(ylabel="step time, s (MBS 2)", title="real vs calibrated synthetic vs mock")
     if second_row:
         ax_gpus, ax_dec, ax_ratio = axes[1]
         _plot_scaling(ax_gpus, scaling)
         _plot_decode(ax_dec, decode)
-        _plot_source_speedups(ax_ratio, source_speedups(rows, suffix))
+        _plot_source_speedups(ax_ratio, speedups)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def step_time(rows: list[dict], strategy: str, source: str, mbs: int, label: str) -> float | None:
+    """Step time of the first finished case with exactly these options; None when there is none."""
+    match = [r["step_time_s"] for r in rows if (r["strategy"], r["source"], r["mbs"], r["label"]) ==
+             (strategy, source, mbs, label) and r["rc"] == 0 and r.get("step_time_s")]
+    return match[0] if match else None
 
 
 def source_speedups(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
     """Per (strategy, MBS) setting where real and another source ran with the same options: how many
     times faster that source's steps are than real's ({"3d MBS 8": {"synthetic": 0.84, "mock": 4.3}})."""
-    def step(strategy, source, mbs, label):
-        match = [r["step_time_s"] for r in rows if (r["strategy"], r["source"], r["mbs"], r["label"]) ==
-                 (strategy, source, mbs, label) and r["rc"] == 0 and r.get("step_time_s")]
-        return match[0] if match else None
-
     out: dict[str, dict[str, float]] = {}
     for r in rows:
         if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("step_time_s"):
             continue
         for kind in ("synthetic", "mock"):
-            other = step(r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"])
+            other = step_time(rows, r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"])
             if other:
                 out.setdefault(f"{r['strategy']} MBS {r['mbs']}", {})[kind] = round(r["step_time_s"] / other, 3)
     return out
