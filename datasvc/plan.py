@@ -63,19 +63,14 @@ class EpochPlan:
         n = self.cfg.items_per_block
         per_epoch = len(self.items(0, rank))
         total = None if self.cfg.epochs is None else self.cfg.epochs * per_epoch
-        orders: dict[int, list] = {}
         block = start_block
         while per_epoch and (total is None or block * n < total):
             first = block * n
             end = first + n if total is None else min(first + n, total)
-            items = []
-            for i in range(first, end):
-                epoch = i // per_epoch
-                if epoch not in orders:
-                    orders = {e: o for e, o in orders.items() if e >= epoch - 1}
-                    orders[epoch] = self.items(epoch, rank)
-                items.append(orders[epoch][i % per_epoch])
-            yield first // per_epoch, block, items
+            epochs = range(first // per_epoch, (end - 1) // per_epoch + 1)  # the epochs this block touches
+            laid = [item for e in epochs for item in self.items(e, rank)]
+            offset = epochs[0] * per_epoch
+            yield epochs[0], block, laid[first - offset:end - offset]
             block += 1
 
     def pack_block(self, samples: list[EncodedSample], epoch: int, rank: int, block: int,
