@@ -37,6 +37,7 @@ vision tokens per sample of real; mock is far off" check).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -430,9 +431,10 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
     demand = demand or Demand()
     runs = []
     for mbs in settings.mbs:
+        sized = settings.config(mbs, settings.actors[0])  # block sizing reads shards: once per MBS
         for a in settings.actors:
             desc = f"{label + ' ' if label else ''}MBS {mbs}, {a} actor(s)"
-            cfg = settings.config(mbs, a)
+            cfg = dataclasses.replace(sized, min_actors=a, max_actors=a)
             r = measure(cfg, samples=settings.samples, seconds=settings.seconds,
                         model=demand.model, progress=progress, desc=desc)
             r["items_per_block"] = cfg.items_per_block
