@@ -411,7 +411,10 @@ class Settings:
     samples_per_item: int = 16
     items_per_block: int = 4
     block_micro_batches: int | None = None
-    """Size blocks as ``trainer.run`` does (``plan.size_blocks``) instead of ``items_per_block``."""
+    """Size blocks as ``trainer.run`` does (``plan.size_blocks``, blocks that span epochs) instead of
+    ``items_per_block``. Spanning matters on small sets: a block sized for 8 micro-batches of short
+    samples can hold more than an epoch (image-free mock at MBS 8: 38 epochs of the 384-sample set),
+    and cut at each epoch it would fill about a fifth of its rows."""
     seed: int = 0
 
     def config(self, mbs: int, actors: int):
@@ -423,7 +426,8 @@ class Settings:
                             seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
                             decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
-                            items_per_block=self.items_per_block, seed=self.seed)
+                            items_per_block=self.items_per_block, seed=self.seed,
+                            blocks_span_epochs=self.block_micro_batches is not None)
         return size_blocks(cfg, self.block_micro_batches)[0] if self.block_micro_batches else cfg
 
 

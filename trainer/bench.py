@@ -77,6 +77,16 @@ GROUPS = {
     # Session 4: blocks sized in micro-batches (the default now) against the old fixed 2 x MBS items.
     "block-sizing": [_case("3d", "real-large", 2, 15, label="sized-blocks"),
                      _case("3d", "real-large", 2, 15, "--items-per-block", "4", label="4-item-blocks")],
+    # Session 5: the rest of the source x MBS matrix, with blocks sized in micro-batches and spanning
+    # epochs (trainer.run's defaults now), real re-measured beside each so the ratios are same-run.
+    "sources-fsdp-mbs8": [_case("fsdp", src, 8, 8, "--recompute", "full", "--vision-chunk-patches", "32768",
+                                "--expandable-segments", label="recompute-vchunk32k-expseg")
+                          for src in ("real-large", "synthetic-large", "mock-large")],
+    "sources-3d-mbs1-4": [
+        *(_case("3d", src, 1, 20) for src in ("real-large", "synthetic-large", "mock-large")),
+        *(_case("3d", src, 4, 12, "--recompute", "full", "--vision-chunk-patches", "32768",
+                label="recompute-vchunk32k") for src in ("real-large", "synthetic-large", "mock-large"))],
+    "sources-3d-mbs2": [_case("3d", src, 2, 15) for src in ("real-large", "synthetic-large", "mock-large")],
     # Session 4: the same on four GPUs (EP 4 under 3d; FSDP across four), 1-GPU baselines in the run.
     "four-gpus": [_case("3d", "real-large", 2, 12, "--world-size", "4", "--ep", "4", label="ep4-4gpu"),
                   _case("3d", "real-large", 2, 12, label="1gpu"),
