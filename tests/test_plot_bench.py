@@ -52,14 +52,36 @@ def test_per_gpu_tokens_averages_repeated_baselines(tmp_path):
     assert per_gpu_tokens(parsed, "3d", 14) == 0.0  # "14gpu" must not match "4gpu"
 
 
-def test_source_speedups_pair_runs_with_the_same_options(tmp_path):
-    from trainer.plot_bench import source_speedups
+def test_source_ratios_pair_runs_with_the_same_options_by_tokens_per_s(tmp_path):
+    from trainer.plot_bench import source_ratios
 
-    rows = [{"case": c, "rc": rc, "step_time_s": t} for c, rc, t in (
-        ("3d-real-large-mbs2", 0, 0.8), ("3d-mock-large-mbs2", 0, 0.4), ("3d-synthetic-large-mbs2", 0, 1.0),
-        ("3d-real-large-mbs8-vchunk", 0, 2.7), ("3d-mock-large-mbs8-vchunk", 0, 0.6),
-        ("3d-synthetic-large-mbs8", 0, 9.9),  # other options than the real MBS 8 case: not a pair
-        ("fsdp-real-large-mbs2", 0, 1.1), ("fsdp-mock-large-mbs2", 1, None))]
+    rows = [{"case": c, "rc": rc, "tokens_per_s": t, "step_time_s": 1.0} for c, rc, t in (
+        ("3d-real-large-mbs2", 0, 8000.0), ("3d-mock-large-mbs2", 0, 16000.0), ("3d-synthetic-large-mbs2", 0, 7200.0),
+        ("3d-real-large-mbs8-vchunk", 0, 10000.0), ("3d-mock-large-mbs8-vchunk", 0, 23000.0),
+        ("3d-synthetic-large-mbs8", 0, 99.0),  # other options than the real MBS 8 case: not a pair
+        ("fsdp-real-large-mbs2", 0, 7000.0), ("fsdp-mock-large-mbs2", 1, None))]
     (tmp_path / "b.json").write_text(json.dumps(rows))
-    assert source_speedups(load([str(tmp_path / "b.json")]), "-large") == {
-        "3d MBS 2": {"synthetic": 0.8, "mock": 2.0}, "3d MBS 8": {"mock": 4.5}}
+    assert source_ratios(load([str(tmp_path / "b.json")]), "-large") == {
+        "3d MBS 2": {"synthetic": 0.9, "mock": 2.0}, "3d MBS 8": {"mock": 2.3}}
+
+
+def test_rows_less_full_do_not_look_faster(tmp_path):
+    """Shorter steps from emptier rows are not throughput: the ratio follows tokens/s."""
+    from trainer.plot_bench import source_ratios
+
+    rows = [{"case": "3d-real-large-mbs8", "rc": 0, "tokens_per_s": 9600.0, "step_time_s": 2.7},
+            {"case": "3d-mock-large-mbs8", "rc": 0, "tokens_per_s": 5300.0, "step_time_s": 0.62}]
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    assert source_ratios(load([str(tmp_path / "b.json")]), "-large")["3d MBS 8"]["mock"] < 1.0
+
+
+def test_by_source_plot_is_written(tmp_path):
+    rows = [{"case": f"{st}-{src}-large-mbs{m}{lab}", "rc": 0, "tokens_per_s": t * m, "data_wait_share": 0.0,
+             "real_token_fraction": 0.95, "step_time_s": 1.0}
+            for st, lab in (("3d", ""), ("fsdp", "-recompute")) for src, t in (("real", 1000.0), ("mock", 2000.0))
+            for m in (1, 8)]
+    rows.append({"case": "3d-real-large-mbs8-frozen-vision", "rc": 0, "tokens_per_s": 1.0, "data_wait_share": 0.0})
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    out = tmp_path / "sources.png"
+    assert main([str(tmp_path / "b.json"), "--by-source", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,7 @@
 """Plot ``trainer.bench`` results: tokens/s and data-wait share against MBS per strategy, step time
 per data source, and where the runs hold them, one GPU against several and the GPU decode comparison.
-``python -m trainer.plot_bench BENCH.json ... [--decode gpu_decode.json] --out PNG``.
+``python -m trainer.plot_bench BENCH.json ... [--decode gpu_decode.json] --out PNG``; with
+``--by-source``, every data source against MBS instead (tokens/s, data wait, row fill, ratios to real).
 
 Case names follow ``trainer.bench``: ``{strategy}-{source}-mbs{N}[-label]``; failed cases (OOM) are
 marked on the MBS axis instead of being dropped.
@@ -36,8 +37,8 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
 
     suffix = "-large" if source.endswith("-large") else ""
     scaling = [r for r in rows if re.search(r"(^|-)\d+gpu$", r["label"]) and r["rc"] == 0]
-    speedups = source_speedups(rows, suffix)
-    second_row = bool(scaling or decode or len(speedups) > 1)
+    ratios = source_ratios(rows, suffix)
+    second_row = bool(scaling or decode or len(ratios) > 1)
     fig, axes = plt.subplots(2 if second_row else 1, 3, figsize=(16, 9.6 if second_row else 4.8), squeeze=False)
     ax_tok, ax_wait, ax_src = axes[0]
     # The MBS sweep: trainable vision, recompute only where MBS needs it.
@@ -100,41 +101,100 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
         ax_gpus, ax_dec, ax_ratio = axes[1]
         _plot_scaling(ax_gpus, scaling)
         _plot_decode(ax_dec, decode)
-        _plot_source_speedups(ax_ratio, speedups)
+        _plot_source_ratios(ax_ratio, ratios)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
 
 def step_time(rows: list[dict], strategy: str, source: str, mbs: int, label: str) -> float | None:
     """Step time of the first finished case with exactly these options; None when there is none."""
-    match = [r["step_time_s"] for r in rows if (r["strategy"], r["source"], r["mbs"], r["label"]) ==
-             (strategy, source, mbs, label) and r["rc"] == 0 and r.get("step_time_s")]
+    return _first(rows, "step_time_s", strategy, source, mbs, label)
+
+
+def _first(rows: list[dict], key: str, strategy: str, source: str, mbs: int, label: str) -> float | None:
+    match = [r[key] for r in rows if (r["strategy"], r["source"], r["mbs"], r["label"]) ==
+             (strategy, source, mbs, label) and r["rc"] == 0 and r.get(key)]
     return match[0] if match else None
 
 
-def source_speedups(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
-    """Per (strategy, MBS) setting where real and another source ran with the same options: how many
-    times faster that source's steps are than real's ({"3d MBS 8": {"synthetic": 0.84, "mock": 4.3}})."""
+def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
+    """Per (strategy, MBS) setting where real and another source ran with the same options: that
+    source's real tokens/s over real photos' ({"3d MBS 8": {"synthetic": 0.96, "mock": 2.3}}).
+
+    Tokens/s, not step time: a source whose rows are emptier has shorter steps without being faster
+    (Session 4's 4-item blocks left mock rows 10% full, so its steps looked 4.3x faster while its
+    tokens/s was half of real's)."""
     out: dict[str, dict[str, float]] = {}
     for r in rows:
-        if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("step_time_s"):
+        if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("tokens_per_s"):
             continue
         for kind in ("synthetic", "mock"):
-            other = step_time(rows, r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"])
+            other = _first(rows, "tokens_per_s", r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"])
             if other:
-                out.setdefault(f"{r['strategy']} MBS {r['mbs']}", {})[kind] = round(r["step_time_s"] / other, 3)
+                out.setdefault(f"{r['strategy']} MBS {r['mbs']}", {})[kind] = round(other / r["tokens_per_s"], 3)
     return out
 
 
-def _plot_source_speedups(ax, speedups: dict[str, dict[str, float]]) -> None:
-    if not speedups:
+def _settings_order(key: str) -> tuple:
+    strategy, _, mbs = key.split()
+    return strategy != "3d", int(mbs)
+
+
+def _plot_source_ratios(ax, ratios: dict[str, dict[str, float]]) -> None:
+    if not ratios:
         ax.axis("off")
         return
-    settings = sorted(speedups, key=lambda k: (k.split()[0], int(k.split()[-1])))
-    _grouped_bars(ax, settings, [(f"{kind} vs real", colour, [speedups[k].get(kind, 0.0) for k in settings])
+    settings = sorted(ratios, key=_settings_order)
+    _grouped_bars(ax, settings, [(f"{kind} / real", colour, [ratios[k].get(kind, 0.0) for k in settings])
                                  for kind, colour in (("synthetic", "tab:green"), ("mock", "tab:red"))], "{:.2f}x")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set(ylabel="step speed vs real photos (x)", title="how optimistic each source is, by MBS")
+    ax.set(ylabel="tokens/s over real photos' (x)", title="how optimistic each source is, same run")
+
+
+SOURCE_COLOURS = {"real": "tab:blue", "synthetic": "tab:green", "mock": "tab:red"}
+VARIANTS = ("frozen", "padded", "gpu", "blocks", "decode")
+"""Labels of cases that change more than memory options (recompute, chunks, allocator), so they are
+not points of the plain sweep."""
+
+
+def plot_sources(rows: list[dict], suffix: str, out: str) -> None:
+    """Every source against MBS: tokens/s, data-wait share, real-token fraction of the rows, and the
+    tokens/s ratios to real photos; 3d as lines, fsdp as hollow markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    sweep = [r for r in rows if r["rc"] == 0 and r.get("tokens_per_s") and not any(v in r["label"] for v in VARIANTS)]
+    fig, ((ax_tok, ax_wait), (ax_fill, ax_ratio)) = plt.subplots(2, 2, figsize=(13, 9.6))
+    panels = ((ax_tok, "tokens_per_s", 1.0, "real tokens / s (1 GPU)", "tokens/s vs MBS per source"),
+              (ax_wait, "data_wait_share", 100.0, "data wait, % of step time", "trainer waiting for data"),
+              (ax_fill, "real_token_fraction", 1.0, "real tokens / row slots", "how full the packed rows are"))
+    for kind, colour in SOURCE_COLOURS.items():
+        for strategy, style in (("3d", dict(marker="o", linestyle="-")), ("fsdp", dict(marker="s", linestyle=":",
+                                                                                      markerfacecolor="none"))):
+            points = {}
+            for r in sweep:  # the first run of each MBS, as step_time pairs them
+                if (r["strategy"], r["source"]) == (strategy, f"{kind}{suffix}"):
+                    points.setdefault(r["mbs"], r)
+            if not points:
+                continue
+            mbs = sorted(points)
+            for ax, key, scale, _, _ in panels:
+                ax.plot(mbs, [scale * (points[m].get(key) or 0.0) for m in mbs], color=colour,
+                        label=f"{kind}, {strategy}", markersize=7, **style)
+    for ax, _, _, ylabel, title in panels:
+        ax.set(xscale="log", xlabel="micro-batch size", ylabel=ylabel, title=title, xlim=(0.8, 10))
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize=7)
+    ax_wait.axhline(1.0, color="red", linestyle="--", linewidth=1)
+    ax_wait.set_ylim(-0.05, 1.5)
+    ax_fill.set_ylim(0, 1.05)
+    _plot_source_ratios(ax_ratio, source_ratios(rows, suffix))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def per_gpu_tokens(rows: list[dict], strategy: str, gpus: int) -> float:
@@ -200,10 +260,15 @@ def main(argv=None) -> int:
     ap.add_argument("bench_json", nargs="+")
     ap.add_argument("--source", default="real-large", help="real source of the MBS sweep")
     ap.add_argument("--decode", default=None, help="gpu_decode.json from trainer.bench --gpu-decode-only")
+    ap.add_argument("--by-source", action="store_true",
+                    help="plot every source against MBS (tokens/s, data wait, row fill, ratios to real)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    decode = json.load(open(args.decode)) if args.decode else None
-    plot(load(args.bench_json), args.source, args.out, decode)
+    if args.by_source:
+        plot_sources(load(args.bench_json), "-large" if args.source.endswith("-large") else "", args.out)
+    else:
+        decode = json.load(open(args.decode)) if args.decode else None
+        plot(load(args.bench_json), args.source, args.out, decode)
     print(args.out)
     return 0
 
