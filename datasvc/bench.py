@@ -556,7 +556,7 @@ def run_in_process(cfg, max_items: int | None = None) -> dict:
                 encoded.extend(res.samples)
                 images += res.images
                 mp += res.megapixels
-            packed, _ = plan.pack_block(encoded, 0, rank, b, pipeline.pad_id, pipeline.vision.patch_dim)
+            packed = plan.pack_block(encoded, 0, rank, b, pipeline.pad_id, pipeline.vision.patch_dim)[0]
             batches += len(packed)
             samples += sum(len(p.sample_keys) for p in packed)
     secs = time.perf_counter() - t0

@@ -31,6 +31,11 @@ class ServiceConfig:
     blocks_span_epochs: bool = False
     """Cut blocks from the epochs laid end to end: an epoch then ends without a part-empty block.
     Positions count blocks from the stream's start; each epoch still holds each sample once."""
+    chain_blocks: int = 1
+    """Blocks packed as a chain: rows that would leave a block's last micro-batch part empty are held
+    and packed with the next block's samples, up to the end of a chain of this many blocks (and at
+    the end of each epoch unless blocks span epochs). 1: every block packs on its own. Restoring
+    mid-chain re-reads the chain's earlier blocks, so this bounds the cost of a restore."""
     decode: Literal["cpu", "gpu"] = "cpu"
     decode_threads: int = 1
     decode_gpu_share: float = 0.25
@@ -63,6 +68,8 @@ class ServiceConfig:
             problems.append("max_batches_ahead must be >= 1")
         if self.samples_per_item < 1 or self.items_per_block < 1:
             problems.append("samples_per_item and items_per_block must be >= 1")
+        if self.chain_blocks < 1:
+            problems.append(f"chain_blocks must be >= 1 (1 packs every block on its own), not {self.chain_blocks}")
         if self.epochs is not None and self.epochs < 1:
             problems.append("epochs must be >= 1 or None (stream forever)")
         if self.decode == "gpu" and not 0 < self.decode_gpu_share <= 1:
@@ -82,5 +89,7 @@ class ServiceConfig:
         fields = {k: d[k] for k in keys}
         if self.blocks_span_epochs:  # only when set, so states saved before the option still restore
             fields["blocks_span_epochs"] = True
+        if self.chain_blocks != 1:
+            fields["chain_blocks"] = self.chain_blocks
         blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -90,22 +90,41 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
         sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32))
 
 
+def plan_block(samples: list[EncodedSample], cfg: PackingConfig
+               ) -> tuple[list[EncodedSample], list[list[int]], list[EncodedSample]]:
+    """A block's samples -> (those that fit a row, their rows as indices into them, those too long)."""
+    fits = [s for s in samples if s.num_tokens <= cfg.seq_len]
+    too_long = [s for s in samples if s.num_tokens > cfg.seq_len]
+    rows = plan_rows([s.num_tokens for s in fits], cfg.seq_len) if cfg.pack else [[i] for i in range(len(fits))]
+    return fits, rows, too_long
+
+
+def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_size: int
+                 ) -> tuple[list[list[int]], list[EncodedSample]]:
+    """Rows that fill whole micro-batches, and the samples of the rest: the emptiest ``len(rows) %
+    micro_batch_size`` rows, which would otherwise leave row slots empty, to be packed with the next
+    block's samples."""
+    extra = len(rows) % micro_batch_size
+    if not extra:
+        return rows, []
+    tokens = [sum(fits[i].num_tokens for i in row) for row in rows]
+    held = set(sorted(range(len(rows)), key=lambda r: (tokens[r], -r))[:extra])
+    return ([row for r, row in enumerate(rows) if r not in held],
+            [fits[i] for r in sorted(held) for i in rows[r]])
+
+
+def micro_batches(fits: list[EncodedSample], rows: list[list[int]], cfg: PackingConfig, patch_dim: int
+                  ) -> list[PackedBatch]:
+    row_patches = [sum(fits[i].num_patches for i in row) for row in rows]
+    return [merge([[fits[i] for i in rows[r]] for r in mb], cfg, patch_dim)
+            for mb in plan_micro_batches(row_patches, cfg.micro_batch_size)]
+
+
 def pack(samples: list[EncodedSample], cfg: PackingConfig, patch_dim: int
          ) -> tuple[list[PackedBatch], list[EncodedSample]]:
     """All samples of one block -> micro-batches, plus the samples too long for a row."""
-    fits = [s for s in samples if s.num_tokens <= cfg.seq_len]
-    too_long = [s for s in samples if s.num_tokens > cfg.seq_len]
-    if not fits:
-        return [], too_long
-    if cfg.pack:
-        rows = plan_rows([s.num_tokens for s in fits], cfg.seq_len)
-    else:
-        rows = [[i] for i in range(len(fits))]
-    row_patches = [sum(fits[i].num_patches for i in row) for row in rows]
-    batches = []
-    for mb in plan_micro_batches(row_patches, cfg.micro_batch_size):
-        batches.append(merge([[fits[i] for i in rows[r]] for r in mb], cfg, patch_dim))
-    return batches, too_long
+    fits, rows, too_long = plan_block(samples, cfg)
+    return micro_batches(fits, rows, cfg, patch_dim), too_long
 
 
 def padding_efficiency(samples: list[EncodedSample], seq_len: int) -> float:

@@ -10,7 +10,7 @@ import numpy as np
 
 from datasvc.batch import EncodedSample, PackedBatch
 from datasvc.config import ServiceConfig
-from datasvc.packing import PackingConfig, pack
+from datasvc.packing import PackingConfig, hold_partial, micro_batches, plan_block
 from datasvc.shards import ShardIndex, expand_shards, index_shard
 
 
@@ -73,15 +73,20 @@ class EpochPlan:
             yield epochs[0], block, laid[first - offset:end - offset]
             block += 1
 
-    def pack_block(self, samples: list[EncodedSample], epoch: int, rank: int, block: int,
-                   pad_id: int, patch_dim: int) -> tuple[list[PackedBatch], list[EncodedSample]]:
+    def pack_block(self, samples: list[EncodedSample], epoch: int, rank: int, block: int, pad_id: int,
+                   patch_dim: int, hold: bool = False
+                   ) -> tuple[list[PackedBatch], list[EncodedSample], list[EncodedSample]]:
+        """(micro-batches, samples too long for a row, samples held for the next block of the chain:
+        only with ``hold``, those of the rows beyond a whole number of micro-batches)."""
         rng = np.random.default_rng([self.cfg.seed, epoch, rank, block, 1])
         shuffled = [samples[i] for i in rng.permutation(len(samples))]
         cfg = PackingConfig(seq_len=self.cfg.seq_len, micro_batch_size=self.cfg.micro_batch_size, pad_id=pad_id,
                             pack=self.cfg.pack)
-        batches, too_long = pack(shuffled, cfg, patch_dim)
+        fits, rows, too_long = plan_block(shuffled, cfg)
+        rows, held = hold_partial(fits, rows, cfg.micro_batch_size) if hold else (rows, [])
+        batches = micro_batches(fits, rows, cfg, patch_dim)
         # Packing groups rows by length; shuffle the micro-batches so steps do not trend.
-        return [batches[i] for i in rng.permutation(len(batches))], too_long
+        return [batches[i] for i in rng.permutation(len(batches))], too_long, held
 
 
 @dataclass(frozen=True, slots=True)

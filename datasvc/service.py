@@ -264,6 +264,7 @@ class Feeder:
         self.real_tokens = 0
         self.row_tokens = 0
         self.batches = 0
+        self._held: list = []  # samples of the rows the last block held for the next one of its chain
         self.consumer_wait_s = 0.0
         self._waiting: dict = {}  # consumer -> when its pending next_batch call started
         self.producer_blocked_s = 0.0
@@ -346,10 +347,22 @@ class Feeder:
 
     # ---- producer side -------------------------------------------------------------------------
     def _schedule(self):
-        """(epoch, block, items) from the start position on, lazily."""
-        if self.cfg.blocks_span_epochs and self.plan.items(0, self.rank):
-            yield from self.plan.spanning_blocks(self.rank, self.start.block)
-            return
+        """(epoch, block, items, ends_chain) lazily, from the first block of the start position's
+        chain: the blocks before the start position only rebuild the rows that chain holds."""
+        chain = self.cfg.chain_blocks
+        first = self.start.block - self.start.block % chain
+        spanning = self.cfg.blocks_span_epochs and self.plan.items(0, self.rank)
+        blocks = self.plan.spanning_blocks(self.rank, first) if spanning else self._epoch_blocks(first)
+        current = next(blocks, None)
+        while current is not None:
+            following = next(blocks, None)
+            epoch, block, items = current
+            ends_chain = (following is None or (block + 1) % chain == 0
+                          or (not spanning and following[0] != epoch))
+            yield epoch, block, items, ends_chain
+            current = following
+
+    def _epoch_blocks(self, first: int):
         epoch = self.start.epoch
         while self.cfg.epochs is None or epoch < self.cfg.epochs:
             blocks = self.plan.blocks(epoch, self.rank)
@@ -357,10 +370,15 @@ class Feeder:
                 raise DataServiceError(
                     f"rank {self.rank} gets no work: {len(self.plan._items)} work items for dp_size="
                     f"{self.cfg.dp_size}; lower samples_per_item or dp_size, or add shards")
-            first = self.start.block if epoch == self.start.epoch else 0
-            for b in range(first, len(blocks)):
+            for b in range(first if epoch == self.start.epoch else 0, len(blocks)):
                 yield epoch, b, blocks[b]
             epoch += 1
+
+    def _before_start(self, epoch: int, block: int) -> bool:
+        """A block of the start position's chain that was delivered before the restore."""
+        if self.cfg.blocks_span_epochs:
+            return block < self.start.block
+        return epoch == self.start.epoch and block < self.start.block
 
     def _produce(self) -> None:
         try:
@@ -380,7 +398,7 @@ class Feeder:
         results: dict = {}
         submitted: set = set()
         step = self.start.step
-        epoch_batches: dict[int, int] = {}
+        epoch_samples: dict[int, int] = {}  # samples that reached packing and fit a row, per epoch
         exhausted = False
         while not self._stop:
             # Keep the pool busy: submit items of the current and following blocks.
@@ -392,28 +410,28 @@ class Feeder:
                     upcoming.append(nxt)
             if not upcoming:
                 break
-            for e, b, items in upcoming:
+            for e, b, items, _ in upcoming:
                 for i, item in enumerate(items):
                     key = (e, b, i)
                     if key not in submitted and self.pool.has_room() and self.pool.submit(key, item):
                         submitted.add(key)
             for key, res in self.pool.collect(timeout=0.2):
                 results[key] = res
-            e, b, items = upcoming[0]
+            e, b, items, ends_chain = upcoming[0]
             if all((e, b, i) in results for i in range(len(items))):
                 upcoming.popleft()
                 block = [results.pop((e, b, i)) for i in range(len(items))]
                 for i in range(len(items)):
                     submitted.discard((e, b, i))
-                step = self._emit_block(e, b, block, step, epoch_batches)
+                step = self._emit_block(e, b, block, step, epoch_samples, ends_chain)
         if self._stop:  # shut down mid-stream: an epoch cut short is not an all-rejected epoch
             return
-        for e, n in epoch_batches.items():
+        for e, n in epoch_samples.items():
             if n == 0:
                 raise DataServiceError(f"rank {self.rank}: epoch {e} produced no micro-batches; every sample "
                                        f"was rejected: {self.acct.as_dict()}")
 
-    def _emit_block(self, epoch, block, results: list[ItemResult], step, epoch_batches) -> int:
+    def _emit_block(self, epoch, block, results: list[ItemResult], step, epoch_samples, ends_chain: bool) -> int:
         samples = []
         for r in results:
             samples.extend(r.samples)
@@ -422,12 +440,19 @@ class Feeder:
             self.images += r.images
             self.megapixels += r.megapixels
         t0 = time.perf_counter()
-        batches, too_long = self.plan.pack_block(samples, epoch, self.rank, block, self.pad_id, self.patch_dim)
+        batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
+                                                       self.patch_dim, hold=not ends_chain)
+        self._held = held
         self.times.add("pack", time.perf_counter() - t0, len(batches))
         for s in too_long:
             self.acct.reject(s.shard, s.key, "longer_than_seq_len", f"{s.num_tokens} tokens > seq_len {self.cfg.seq_len}")
-        epoch_batches.setdefault(epoch, 0)
-        skip = self.start.batch if (epoch, block) == (self.start.epoch, self.start.block) else 0
+        epoch_samples[epoch] = epoch_samples.get(epoch, 0) + len(samples) - len(too_long)
+        if self._before_start(epoch, block):
+            skip = len(batches)
+        elif (epoch, block) == (self.start.epoch, self.start.block):
+            skip = self.start.batch
+        else:
+            skip = 0
         for i, batch in enumerate(batches):
             if i < skip:
                 continue
@@ -455,7 +480,6 @@ class Feeder:
             self.real_tokens += batch.real_tokens
             self.row_tokens += batch.tokens.size
             self.batches += 1
-            epoch_batches[epoch] += 1
             step += 1
         # Samples of skipped (already delivered) micro-batches were delivered before the restore.
         for batch in batches[:skip]:

@@ -205,3 +205,46 @@ def test_blocks_spanning_epochs_deliver_each_sample_once_per_epoch_and_resume(ph
     rows = drain(per_epoch.client(0, output="numpy"))
     fill = lambda bs: sum(b.real_tokens for b in bs) / sum(b.tokens.size for b in bs)
     assert len(batches) < len(rows) and fill(batches) > fill(rows)  # 11 against 12 micro-batches here
+
+
+@pytest.mark.parametrize("span", [False, True], ids=["per-epoch", "spanning"])
+def test_chained_blocks_fill_rows_keep_epochs_and_resume_exactly(photo_shards, service, span):
+    """chain_blocks: a block's part-filled rows wait for the next block, so micro-batches are full but
+    at a chain's end; every sample still arrives once per epoch (per-epoch blocks: within its epoch),
+    and a restore in the middle of a chain replays its earlier blocks to the same stream."""
+    base = dict(epochs=2, seed=3, micro_batch_size=2, samples_per_item=2, items_per_block=2, blocks_span_epochs=span)
+    cfg = config(photo_shards, chain_blocks=3, **base)
+    assert cfg.fingerprint() != config(photo_shards, **base).fingerprint()
+    svc = service(cfg)
+    batches = drain(svc.client(0, output="numpy"))
+    svc.shutdown()
+    reference = [b.sample_keys for b in batches]
+    want = expected_keys(photo_shards)
+    assert Counter(k for keys in reference for k in keys) == Counter({k: 2 * n for k, n in want.items()})
+    if not span:  # a chain ends with its epoch: all of epoch 0 arrives before any of epoch 1
+        n, seen = sum(want.values()), []
+        for keys in reference:
+            seen.extend(keys)
+            if len(seen) >= n:
+                break
+        assert len(seen) == n and Counter(seen) == want
+
+    unchained = service(config(photo_shards, **base))
+    loose = drain(unchained.client(0, output="numpy"))
+    empty_rows = lambda bs: sum(int((b.num_samples == 0).sum()) for b in bs)
+    assert len(batches) < len(loose) and empty_rows(batches) < empty_rows(loose)
+
+    for cut in (3, 4, 7):  # restores at different places in and between chains
+        svc = service(cfg)
+        c = svc.client(0, output="numpy")
+        first = [next(c).sample_keys for _ in range(cut)]
+        state = c.save_state()
+        svc.shutdown()
+        c2 = service(cfg).client(0, output="numpy")
+        c2.restore_state(state)
+        assert first + [b.sample_keys for b in drain(c2)] == reference, f"restore after {cut} micro-batches"
+
+
+def test_bad_chain_blocks_fails_fast(photo_shards):
+    with pytest.raises(ValueError, match="chain_blocks must be >= 1"):
+        config(photo_shards, chain_blocks=0)

@@ -76,6 +76,22 @@ def test_packing_balances_vision_patches_across_micro_batches():
     assert loads.max() / loads.mean() < 1.15
 
 
+def test_hold_partial_keeps_whole_micro_batches_and_holds_the_emptiest_rows():
+    from datasvc.packing import hold_partial, plan_block
+
+    rng = np.random.default_rng(3)
+    samples = [_sample(int(n), 0, f"k{i}") for i, n in enumerate(rng.integers(20, 900, 50))]
+    cfg = PackingConfig(seq_len=1024, micro_batch_size=4, pad_id=0)
+    fits, rows, _ = plan_block(samples, cfg)
+    assert len(rows) % 4  # this draw leaves a part-empty micro-batch to hold back
+    kept, held = hold_partial(fits, rows, 4)
+    assert len(kept) == len(rows) // 4 * 4
+    assert sorted([fits[i].key for r in kept for i in r] + [s.key for s in held]) == sorted(s.key for s in fits)
+    fill = lambda row: sum(fits[i].num_tokens for i in row)
+    assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
+    assert hold_partial(fits, kept, 4) == (kept, [])  # a whole number of micro-batches holds nothing
+
+
 def test_best_fit_rows_never_overflow():
     lengths = list(np.random.default_rng(2).integers(1, 500, 300))
     rows = plan_rows(lengths, 512)
