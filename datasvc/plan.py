@@ -89,6 +89,12 @@ class EpochPlan:
         return [batches[i] for i in rng.permutation(len(batches))], too_long, held
 
 
+TRAINING_CHAIN_BLOCKS = 4
+"""``chain_blocks`` for training (``trainer.run``, and ``datasvc.profile`` when it sizes blocks like
+it): a packing simulation of the real-large photos at MBS 8, blocks of 8 micro-batches, gives rows
+0.949 full with 1, 0.972 with 2, 0.982 with 4 and 0.987 with 8; a restore re-reads at most 3 blocks."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockSizing:
     """How ``size_blocks`` chose ``items_per_block``, for logs and run summaries."""

@@ -411,15 +411,15 @@ class Settings:
     samples_per_item: int = 16
     items_per_block: int = 4
     block_micro_batches: int | None = None
-    """Size blocks as ``trainer.run`` does (``plan.size_blocks``, blocks that span epochs) instead of
-    ``items_per_block``. Spanning matters on small sets: a block sized for 8 micro-batches of short
+    """Size blocks as ``trainer.run`` does (``plan.size_blocks``, blocks that span epochs and pack in
+    chains of ``plan.TRAINING_CHAIN_BLOCKS``) instead of ``items_per_block``. Spanning matters on small sets: a block sized for 8 micro-batches of short
     samples can hold more than an epoch (image-free mock at MBS 8: 38 epochs of the 384-sample set),
     and cut at each epoch it would fill about a fifth of its rows."""
     seed: int = 0
 
     def config(self, mbs: int, actors: int):
         from datasvc.config import ServiceConfig
-        from datasvc.plan import size_blocks
+        from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
 
         opts = {"max_pixels": self.max_pixels} if self.max_pixels else {}
         cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=opts,
@@ -427,7 +427,8 @@ class Settings:
                             decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
                             items_per_block=self.items_per_block, seed=self.seed,
-                            blocks_span_epochs=self.block_micro_batches is not None)
+                            blocks_span_epochs=self.block_micro_batches is not None,
+                            chain_blocks=TRAINING_CHAIN_BLOCKS if self.block_micro_batches else 1)
         return size_blocks(cfg, self.block_micro_batches)[0] if self.block_micro_batches else cfg
 
 

@@ -200,16 +200,18 @@ def test_sized_blocks_are_profiled_like_training(ray_local, photo_shards, tmp_pa
     assert sized["packing_efficiency"] > tiny["packing_efficiency"]
 
 
-def test_sized_blocks_span_epochs_like_training(photo_shards):
+def test_sized_blocks_span_epochs_and_chain_like_training(photo_shards):
     """A sized block may hold more than an epoch of a small set; cut at each epoch boundary, its rows
-    would stay part empty, so sized blocks span epochs as in trainer.run, and fixed ones do not."""
+    would stay part empty, so sized blocks span epochs and pack in chains as in trainer.run, and
+    fixed ones do neither."""
     from datasvc.plan import EpochPlan
     from datasvc.shards import index_shard
 
     sized = prof.Settings(shards=photo_shards, samples_per_item=4, block_micro_batches=64).config(8, 1)
     per_epoch = len(EpochPlan(sized, [index_shard(p) for p in photo_shards]).items(0, 0))
-    assert sized.blocks_span_epochs and sized.items_per_block > per_epoch
-    assert not prof.Settings(shards=photo_shards).config(8, 1).blocks_span_epochs
+    assert sized.blocks_span_epochs and sized.items_per_block > per_epoch and sized.chain_blocks > 1
+    fixed = prof.Settings(shards=photo_shards).config(8, 1)
+    assert not fixed.blocks_span_epochs and fixed.chain_blocks == 1
 
 
 def test_bad_block_micro_batches_fails_fast(photo_shards, capsys):

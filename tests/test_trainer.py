@@ -105,10 +105,19 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["loss_finite"] and summary["loss_fell"]
     assert summary["tokens_per_s"] > 0 and 0 <= summary["data_wait_share"] <= 1
+    assert summary["chain_blocks"] > 1  # trained on blocks packed in chains, trainer.run's default
     acct = summary["data_accounting"]
     assert acct["read"] >= acct["delivered"] > 0
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 12 and all("data_wait_s" in l and "tokens_per_s" in l for l in lines)
+
+
+@pytest.mark.parametrize("flag", ["--chain-blocks", "--block-micro-batches", "--items-per-block"])
+def test_bad_block_options_fail_before_ray_starts(flag):
+    from trainer.run import main
+
+    with pytest.raises(SystemExit, match="--block-micro-batches, --chain-blocks and --items-per-block must be >= 1"):
+        main(["qwen3vl", flag, "0", "--address", "ray://nowhere.invalid:1"])
 
 
 def test_gpu_decode_shares_never_overcommit_a_gpu():

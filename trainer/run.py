@@ -20,6 +20,7 @@ TRAINER_GPU_SHARE = 0.75
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from datasvc.plan import TRAINING_CHAIN_BLOCKS
     from trainer.config import add_cli_args
 
     p = argparse.ArgumentParser(prog="python -m trainer.run", description=__doc__,
@@ -45,6 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--block-micro-batches", type=int, default=8,
                    help="micro-batches a packing block should fill when --items-per-block is not given: "
                         "about half a micro-batch of padding rows is lost per block; memory grows with it")
+    g.add_argument("--chain-blocks", type=int, default=TRAINING_CHAIN_BLOCKS,
+                   help="blocks packed as a chain: a block's part-filled rows wait for the next block's samples "
+                        "(1: each block on its own); a restore re-reads up to this many - 1 blocks")
     add_cli_args(p)
     args = p.parse_args(argv)
     args._given = {a.split("=")[0] for a in argv if a.startswith("--")}
@@ -87,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.pipeline not in available():
         raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
-    if args.block_micro_batches < 1 or (args.items_per_block is not None and args.items_per_block < 1):
-        raise SystemExit("--block-micro-batches and --items-per-block must be >= 1")
+    if args.block_micro_batches < 1 or args.chain_blocks < 1 or (
+            args.items_per_block is not None and args.items_per_block < 1):
+        raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
     # Logical CPUs of an embedded cluster: enough for the trainer ranks plus the smallest data pools
     # (they oversubscribe a small dev box, which is what a development run wants).
     want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + args.data_actors[0] * args.decode_threads))
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                              seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=dp,
                              pack=not cfg.train.padded,
                              consumers_per_replica=layout0.model_parallel, epochs=None, blocks_span_epochs=True,
+                             chain_blocks=args.chain_blocks,
                              seed=args.data_seed,
                              decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1],
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     records = next((r for r in results if r), [])
     summary = summarize(records, data_stats, backend, world, time.time() - t0)
     summary["items_per_block"] = data_cfg.items_per_block
+    summary["chain_blocks"] = data_cfg.chain_blocks
     if sizing:
         summary["block_sizing"] = sizing.as_dict()
     with open(os.path.join(args.out, "summary.json"), "w") as f:
