@@ -415,6 +415,9 @@ class Settings:
     chains of ``plan.TRAINING_CHAIN_BLOCKS``) instead of ``items_per_block``. Spanning matters on small sets: a block sized for 8 micro-batches of short
     samples can hold more than an epoch (image-free mock at MBS 8: 38 epochs of the 384-sample set),
     and cut at each epoch it would fill about a fifth of its rows."""
+    chain_blocks: int | None = None
+    """Blocks packed as a chain (``ServiceConfig.chain_blocks``); default: as ``trainer.run`` with
+    ``block_micro_batches``, else 1."""
     seed: int = 0
 
     def config(self, mbs: int, actors: int):
@@ -428,7 +431,7 @@ class Settings:
                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
                             items_per_block=self.items_per_block, seed=self.seed,
                             blocks_span_epochs=self.block_micro_batches is not None,
-                            chain_blocks=TRAINING_CHAIN_BLOCKS if self.block_micro_batches else 1)
+                            chain_blocks=self.chain_blocks or (TRAINING_CHAIN_BLOCKS if self.block_micro_batches else 1))
         return size_blocks(cfg, self.block_micro_batches)[0] if self.block_micro_batches else cfg
 
 
@@ -443,6 +446,7 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
             r = measure(cfg, samples=settings.samples, seconds=settings.seconds,
                         model=demand.model, progress=progress, desc=desc)
             r["items_per_block"] = cfg.items_per_block
+            r["chain_blocks"] = cfg.chain_blocks
             runs.append(r)
             print(f"  {desc}: {r['rates']['samples_per_s']:.1f} samples/s, "
                   f"{r['rates']['micro_batches_per_s']:.2f} micro-batches/s", file=sys.stderr, flush=True)
@@ -890,6 +894,9 @@ def _common(ap: argparse.ArgumentParser) -> None:
     blocks.add_argument("--block-micro-batches", type=int, default=None,
                         help="size blocks to fill this many micro-batches, as trainer.run does (default 8 "
                              "there); the window needs about three blocks of --samples per setting")
+    ap.add_argument("--chain-blocks", type=int, default=None,
+                    help="blocks packed as a chain, a block's part-filled rows waiting for the next block "
+                         "(default: 4 with --block-micro-batches, as trainer.run; else 1)")
     ap.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
     dem = ap.add_mutually_exclusive_group()
     dem.add_argument("--step-time", type=_floats,
@@ -910,7 +917,8 @@ def _settings(args, shards) -> Settings:
     return Settings(shards=shards, pipeline=args.pipeline, seq_len=args.seq_len, mbs=args.mbs, decode=args.decode,
                     actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
                     max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,
-                    items_per_block=args.items_per_block, block_micro_batches=args.block_micro_batches)
+                    items_per_block=args.items_per_block, block_micro_batches=args.block_micro_batches,
+                    chain_blocks=args.chain_blocks)
 
 
 def _demand(args, ap) -> Demand:
@@ -975,6 +983,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.block_micro_batches is not None and args.block_micro_batches < 1:
         ap.error("--block-micro-batches must be >= 1")
+    if args.chain_blocks is not None and args.chain_blocks < 1:
+        ap.error("--chain-blocks must be >= 1")
     if mode == "synth-check" and "--mbs" not in argv:
         args.mbs = [1]
     if mode == "synth-check" and "--actors" not in argv:

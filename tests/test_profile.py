@@ -212,9 +212,11 @@ def test_sized_blocks_span_epochs_and_chain_like_training(photo_shards):
     assert sized.blocks_span_epochs and sized.items_per_block > per_epoch and sized.chain_blocks > 1
     fixed = prof.Settings(shards=photo_shards).config(8, 1)
     assert not fixed.blocks_span_epochs and fixed.chain_blocks == 1
+    assert prof.Settings(shards=photo_shards, block_micro_batches=8, chain_blocks=1).config(8, 1).chain_blocks == 1
 
 
-def test_bad_block_micro_batches_fails_fast(photo_shards, capsys):
+@pytest.mark.parametrize("flag", ["--block-micro-batches", "--chain-blocks"])
+def test_bad_block_options_fail_fast(photo_shards, capsys, flag):
     with pytest.raises(SystemExit):
-        prof.main([*photo_shards, "--block-micro-batches", "0"])
-    assert "--block-micro-batches must be >= 1" in capsys.readouterr().err
+        prof.main([*photo_shards, flag, "0"])
+    assert f"{flag} must be >= 1" in capsys.readouterr().err
