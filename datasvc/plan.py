@@ -1,6 +1,7 @@
 """Deterministic order: which work items each DP rank gets in each epoch, and how a block becomes
-micro-batches. Pure functions of (config, epoch, rank, block): that is what makes resume exact and
-lets any actor redo any item.
+micro-batches. Pure functions of (config, epoch, rank, block), and of the rows the block before it
+held when blocks pack in chains (``ServiceConfig.chain_blocks``): that is what makes resume exact
+and lets any actor redo any item.
 """
 from __future__ import annotations
 
