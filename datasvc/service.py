@@ -584,7 +584,8 @@ def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = N
     start = None
     if state:
         if state.get("fingerprint") != cfg.fingerprint():
-            raise DataServiceError("saved loader state was made with a different data config "
-                                   "(shards, seed, seq_len, MBS, dp_size, ...); restore with the same one")
+            raise DataServiceError("saved loader state was made with a different data config (shards, seed, "
+                                   "seq_len, MBS, dp_size, items_per_block, blocks_span_epochs, chain_blocks, "
+                                   "...); restore with the same one")
         start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
     return Feeder.options(name=feeder_name(run, rank)).remote(cfg, rank, start)
