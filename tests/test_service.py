@@ -52,8 +52,9 @@ def service(ray_local):
         s.shutdown()
 
 
-def test_dp_replicas_identical_and_disjoint(photo_shards, service):
-    cfg = config(photo_shards, dp_size=2, consumers_per_replica=2)
+@pytest.mark.parametrize("chain_blocks", [1, 3])
+def test_dp_replicas_identical_and_disjoint(photo_shards, service, chain_blocks):
+    cfg = config(photo_shards, dp_size=2, consumers_per_replica=2, micro_batch_size=2, chain_blocks=chain_blocks)
     svc = service(cfg)
     clients = {(r, c): svc.client(r, c, output="numpy") for r in range(2) for c in range(2)}
     got = {}
