@@ -87,6 +87,12 @@ GROUPS = {
         *(_case("3d", src, 4, 12, "--recompute", "full", "--vision-chunk-patches", "32768",
                 label="recompute-vchunk32k") for src in ("real-large", "synthetic-large", "mock-large"))],
     "sources-3d-mbs2": [_case("3d", src, 2, 15) for src in ("real-large", "synthetic-large", "mock-large")],
+    # Session 5: blocks packed in chains of 4 (trainer.run's default) against each block on its own,
+    # same run; the data service alone showed rows 0.98 full against 0.92-0.94 (S5.2).
+    "chain-blocks": [_case("3d", "real-large", mbs, iters, "--recompute", "full", "--vision-chunk-patches", "32768",
+                           *extra, "--chain-blocks", str(chain), label=f"recompute-vchunk32k-chain{chain}")
+                     for mbs, iters, extra in ((4, 20, ()), (8, 16, ("--expandable-segments",)))
+                     for chain in (4, 1)],
     # Session 4: the same on four GPUs (EP 4 under 3d; FSDP across four), 1-GPU baselines in the run.
     "four-gpus": [_case("3d", "real-large", 2, 12, "--world-size", "4", "--ep", "4", label="ep4-4gpu"),
                   _case("3d", "real-large", 2, 12, label="1gpu"),

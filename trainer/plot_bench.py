@@ -152,7 +152,7 @@ def _plot_source_ratios(ax, ratios: dict[str, dict[str, float]]) -> None:
 
 
 SOURCE_COLOURS = {"real": "tab:blue", "synthetic": "tab:green", "mock": "tab:red"}
-VARIANTS = ("frozen", "padded", "gpu", "blocks", "decode")
+VARIANTS = ("frozen", "padded", "gpu", "blocks", "decode", "chain")
 """Labels of cases that change more than memory options (recompute, chunks, allocator), so they are
 not points of the plain sweep."""
 
