@@ -220,3 +220,14 @@ def test_bad_block_options_fail_fast(photo_shards, capsys, flag):
     with pytest.raises(SystemExit):
         prof.main([*photo_shards, flag, "0"])
     assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_compare_warns_when_blocks_differ_in_samples():
+    """Fixed item counts make blocks of different sizes from shards of different sizes; the rate
+    rows then mislead, and compare says so (sized blocks need no warning)."""
+    def report(samples_per_block):
+        return {"runs": [{"samples": 10 * samples_per_block, "blocks_measured": 10}]}
+
+    warning = prof.block_geometry_warning({"real": report(24), "synthetic": report(64)})
+    assert "real 24, synthetic 64" in warning and "--block-micro-batches" in warning
+    assert prof.block_geometry_warning({"real": report(24), "synthetic": report(26)}) is None
