@@ -451,6 +451,12 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
             print(f"  {desc}: {r['rates']['samples_per_s']:.1f} samples/s, "
                   f"{r['rates']['micro_batches_per_s']:.2f} micro-batches/s", file=sys.stderr, flush=True)
     verdicts = _verdicts(runs, settings.mbs, demand)
+    if settings.block_micro_batches is None:
+        for v in verdicts:
+            caution = fixed_block_caution(runs, v)
+            if caution:
+                v["caution"] = caution
+                v["summary"] += "; " + caution
     return {
         "label": label,
         "settings": {k: v for k, v in settings.__dict__.items()},
@@ -459,6 +465,22 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
         "verdicts": verdicts,
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
     }
+
+
+def fixed_block_caution(runs: list[dict], v: dict, min_fill: float = 0.9) -> str | None:
+    """A verdict on demand in micro-batches/s trusts the supply's micro-batches to be as full as
+    training's. Fixed-item blocks often pack emptier rows than ``trainer.run``'s sized, chained
+    ones, so the same samples/s makes more micro-batches/s here: say so where rows are less than
+    ``min_fill`` full and a demand was given."""
+    if v.get("keeps_up") is None:
+        return None
+    mine = [r for r in runs if r["micro_batch_size"] == v["micro_batch_size"]]
+    fill = min((r["packing_efficiency"] for r in mine), default=1.0)
+    if fill >= min_fill:
+        return None
+    items = mine[0].get("items_per_block")
+    return (f"rows are only {fill:.0%} full with fixed {items}-item blocks, so micro-batches/s is overstated "
+            f"against trainer.run's sized blocks; rerun with --block-micro-batches 8 for a verdict at training geometry")
 
 
 def _verdicts(runs: list[dict], mbs_list: list[int], demand: Demand) -> list[dict]:

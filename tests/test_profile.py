@@ -231,3 +231,12 @@ def test_compare_warns_when_blocks_differ_in_samples():
     warning = prof.block_geometry_warning({"real": report(24), "synthetic": report(64)})
     assert "real 24, synthetic 64" in warning and "--block-micro-batches" in warning
     assert prof.block_geometry_warning({"real": report(24), "synthetic": report(26)}) is None
+
+
+def test_verdict_cautions_when_fixed_blocks_pack_empty_rows():
+    runs = [{"micro_batch_size": 8, "packing_efficiency": 0.55, "items_per_block": 4}]
+    caution = prof.fixed_block_caution(runs, {"micro_batch_size": 8, "keeps_up": True})
+    assert "55% full with fixed 4-item blocks" in caution and "--block-micro-batches 8" in caution
+    assert prof.fixed_block_caution(runs, {"micro_batch_size": 8, "keeps_up": None}) is None  # no demand
+    full = [{**runs[0], "packing_efficiency": 0.95}]
+    assert prof.fixed_block_caution(full, {"micro_batch_size": 8, "keeps_up": False}) is None
