@@ -45,7 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="work items packed together (default: sized from the shards to fill --block-micro-batches)")
     g.add_argument("--block-micro-batches", type=int, default=8,
                    help="micro-batches a packing block should fill when --items-per-block is not given: "
-                        "about half a micro-batch of padding rows is lost per block; memory grows with it")
+                        "about half a micro-batch of padding rows is lost per chain of --chain-blocks blocks; "
+                        "memory grows with it")
     g.add_argument("--chain-blocks", type=int, default=TRAINING_CHAIN_BLOCKS,
                    help="blocks packed as a chain: a block's part-filled rows wait for the next block's samples "
                         "(1: each block on its own); a restore re-reads up to this many - 1 blocks")
