@@ -7,6 +7,7 @@ import time
 import uuid
 from collections import Counter
 
+import pytest
 import ray
 
 from datasvc.config import ServiceConfig
@@ -40,14 +41,25 @@ def drain(client):
         return out
 
 
-def test_killed_feeder_is_restarted_where_it_stood(photo_shards, ray_local):
-    svc = DataService(cfg(photo_shards), run=f"f{uuid.uuid4().hex[:6]}")
+@pytest.mark.parametrize("chain_blocks", [1, 3])
+def test_killed_feeder_is_restarted_where_it_stood(photo_shards, ray_local, chain_blocks):
+    """The restarted feeder resumes from the client's position, and the stream goes on exactly as an
+    uninterrupted one (mid-chain: after replaying the chain's earlier blocks to rebuild the rows
+    they held)."""
+    config = cfg(photo_shards, micro_batch_size=2, chain_blocks=chain_blocks)
+    svc = DataService(config, run=f"r{uuid.uuid4().hex[:6]}")
+    try:
+        reference = [b.sample_keys for b in drain(svc.client(0, output="numpy"))]
+    finally:
+        svc.shutdown()
+    svc = DataService(config, run=f"f{uuid.uuid4().hex[:6]}")
     try:
         c = svc.client(0, output="numpy")
-        got = [next(c) for _ in range(4)]
+        got = [next(c)]  # with chains of 3 here: the restart lands in the middle of the first chain
         ray.kill(svc.feeders[0], no_restart=True)
         got += drain(c)
         assert keys_of(got) == expected(photo_shards)
+        assert [b.sample_keys for b in got] == reference
     finally:
         svc.shutdown()
 
