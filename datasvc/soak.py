@@ -72,6 +72,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
 
     from datasvc.cluster import connect
     from datasvc.config import ServiceConfig
+    from datasvc.plan import TRAINING_CHAIN_BLOCKS
     from datasvc.samples import write_photo_shards
     from datasvc.service import DataService, EndOfData, feeder_name
 
@@ -79,8 +80,11 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
     root = os.path.join(os.environ.get("VLMFEED_CACHE", os.path.expanduser("~/.cache/vlmfeed")), "soak")
     good = write_photo_shards(os.path.join(root, "good"), samples_per_shard=6, copies=2)
     shards = good + write_hostile_shards(os.path.join(root, "bad"), good)
+    # Blocks pack in chains as in trainer.run, so a killed feeder often restarts mid-chain and must
+    # replay the chain's earlier blocks to rebuild the rows they held.
     cfg = ServiceConfig(shards=tuple(shards), seq_len=512, micro_batch_size=2, samples_per_item=4,
-                        items_per_block=2, pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
+                        items_per_block=2, chain_blocks=TRAINING_CHAIN_BLOCKS,
+                        pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
                         epochs=None, min_actors=1, max_actors=2, max_batches_ahead=3, autoscale_interval_s=2.0)
     expected = accepted_keys(cfg)
     connect(num_cpus=max(2, os.cpu_count() or 2))
