@@ -412,9 +412,10 @@ class Settings:
     items_per_block: int = 4
     block_micro_batches: int | None = None
     """Size blocks as ``trainer.run`` does (``plan.size_blocks``, blocks that span epochs and pack in
-    chains of ``plan.TRAINING_CHAIN_BLOCKS``) instead of ``items_per_block``. Spanning matters on small sets: a block sized for 8 micro-batches of short
-    samples can hold more than an epoch (image-free mock at MBS 8: 38 epochs of the 384-sample set),
-    and cut at each epoch it would fill about a fifth of its rows."""
+    chains of ``plan.TRAINING_CHAIN_BLOCKS``) instead of ``items_per_block``. Spanning matters on
+    small sets: a block sized for 8 micro-batches of short samples can hold more than an epoch
+    (image-free mock at MBS 8: 38 epochs of the 384-sample set), and cut at each epoch it would fill
+    about a fifth of its rows."""
     chain_blocks: int | None = None
     """Blocks packed as a chain (``ServiceConfig.chain_blocks``); default: as ``trainer.run`` with
     ``block_micro_batches``, else 1."""
@@ -922,6 +923,8 @@ def _shards(spec: str) -> list[str]:
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
+    from datasvc.plan import TRAINING_CHAIN_BLOCKS
+
     ap.add_argument("--pipeline", default="qwen3vl")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--mbs", type=_ints, default=[1, 2, 4, 8], help="micro-batch sizes, comma separated")
@@ -942,7 +945,7 @@ def _common(ap: argparse.ArgumentParser) -> None:
                              "there); the window needs about three blocks of --samples per setting")
     ap.add_argument("--chain-blocks", type=int, default=None,
                     help="blocks packed as a chain, a block's part-filled rows waiting for the next block "
-                         "(default: 4 with --block-micro-batches, as trainer.run; else 1)")
+                         f"(default: {TRAINING_CHAIN_BLOCKS} with --block-micro-batches, as trainer.run; else 1)")
     ap.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
     dem = ap.add_mutually_exclusive_group()
     dem.add_argument("--step-time", type=_floats,

@@ -35,7 +35,7 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    suffix = "-large" if source.endswith("-large") else ""
+    suffix = _suffix(source)
     scaling = [r for r in rows if re.search(r"(^|-)\d+gpu$", r["label"]) and r["rc"] == 0]
     ratios = source_ratios(rows, suffix)
     second_row = bool(scaling or decode or len(ratios) > 1)
@@ -106,6 +106,11 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
     fig.savefig(out, dpi=110)
 
 
+def _suffix(source: str) -> str:
+    """The set-size suffix shared by a real source and its synthetic and mock twins."""
+    return "-large" if source.endswith("-large") else ""
+
+
 def step_time(rows: list[dict], strategy: str, source: str, mbs: int, label: str) -> float | None:
     """Step time of the first finished case with exactly these options; None when there is none."""
     return _first(rows, "step_time_s", strategy, source, mbs, label)
@@ -157,15 +162,16 @@ VARIANTS = ("frozen", "padded", "gpu", "blocks", "decode", "chain")
 not points of the plain sweep."""
 
 
-def plot_sources(rows: list[dict], suffix: str, out: str) -> None:
+def plot_sources(rows: list[dict], source: str, out: str) -> None:
     """Every source against MBS: tokens/s, data-wait share, real-token fraction of the rows, and the
-    tokens/s ratios to real photos; 3d as lines, fsdp as hollow markers."""
+    tokens/s ratios to real photos (``source``); 3d as lines, fsdp as hollow markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
+    suffix = _suffix(source)
     sweep = [r for r in rows if r["rc"] == 0 and r.get("tokens_per_s") and not any(v in r["label"] for v in VARIANTS)]
     fig, ((ax_tok, ax_wait), (ax_fill, ax_ratio)) = plt.subplots(2, 2, figsize=(13, 9.6))
     panels = ((ax_tok, "tokens_per_s", 1.0, "real tokens / s (1 GPU)", "tokens/s vs MBS per source"),
@@ -265,7 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.by_source:
-        plot_sources(load(args.bench_json), "-large" if args.source.endswith("-large") else "", args.out)
+        plot_sources(load(args.bench_json), args.source, args.out)
     else:
         decode = json.load(open(args.decode)) if args.decode else None
         plot(load(args.bench_json), args.source, args.out, decode)
