@@ -87,6 +87,12 @@ GROUPS = {
         *(_case("3d", src, 4, 12, "--recompute", "full", "--vision-chunk-patches", "32768",
                 label="recompute-vchunk32k") for src in ("real-large", "synthetic-large", "mock-large"))],
     "sources-3d-mbs2": [_case("3d", src, 2, 15) for src in ("real-large", "synthetic-large", "mock-large")],
+    # Session 6: the fsdp cells still missing, chains of 4 (trainer.run's default) throughout.
+    "sources-fsdp-mbs1-4": [
+        *(_case("fsdp", src, 1, 16) for src in ("real-large", "synthetic-large", "mock-large")),
+        *(_case("fsdp", src, 4, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
+                label="recompute-vchunk32k") for src in ("real-large", "synthetic-large", "mock-large"))],
+    "sources-fsdp-mbs2": [_case("fsdp", src, 2, 12) for src in ("real-large", "synthetic-large", "mock-large")],
     # Session 5: blocks packed in chains of 4 (trainer.run's default) against each block on its own,
     # same run; the data service alone showed rows 0.98 full against 0.92-0.94 (S5.2).
     "chain-blocks": [_case("3d", "real-large", mbs, iters, "--recompute", "full", "--vision-chunk-patches", "32768",
