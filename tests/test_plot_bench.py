@@ -1,4 +1,7 @@
 import json
+import math
+
+import pytest
 
 from trainer.plot_bench import load, main
 
@@ -85,3 +88,49 @@ def test_by_source_plot_is_written(tmp_path):
     out = tmp_path / "sources.png"
     assert main([str(tmp_path / "b.json"), "--by-source", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics(path, tokens_per_s):
+    path.write_text("".join(json.dumps({"step": i + 1, "tokens_per_s": t}) + "\n" for i, t in enumerate(tokens_per_s)))
+
+
+def test_step_spread_beside_the_json_gives_standard_errors_and_a_table(tmp_path, capsys):
+    """Per-step metrics beside a bench JSON (both layouts trainer.bench and docs/results use) give
+    each case a standard error over the same steady window as its mean; the ratio's error and the
+    table's +/- follow from both cases' errors."""
+    from trainer.plot_bench import ratio_error, source_table
+
+    warm_up = [100.0, 5000.0]  # left out, as trainer.run.summarize leaves them out
+    _metrics(tmp_path / "h200_x_3d-real-large-mbs2.metrics.jsonl", warm_up + [900.0, 1000.0, 1100.0])
+    _metrics(tmp_path / "h200_x_3d-mock-large-mbs2.metrics.jsonl", warm_up + [1800.0, 2000.0, 2200.0])
+    _metrics(tmp_path / "h200_x_3d-synthetic-large-mbs2.metrics.jsonl", warm_up + [1.0, 2.0, 3.0])  # another run
+    (tmp_path / "h200_x_bench_mbs2.json").write_text(json.dumps([
+        {"case": "3d-real-large-mbs2", "rc": 0, "tokens_per_s": 1000.0, "real_token_fraction": 0.98},
+        {"case": "3d-mock-large-mbs2", "rc": 0, "tokens_per_s": 2000.0, "real_token_fraction": 0.97},
+        {"case": "3d-synthetic-large-mbs2", "rc": 0, "tokens_per_s": 950.0, "real_token_fraction": 0.96},
+        {"case": "fsdp-real-large-mbs1", "rc": 0, "tokens_per_s": 500.0}]))
+    (tmp_path / "run").mkdir()
+    _metrics(tmp_path / "run" / "fsdp-real-large-mbs1.metrics.jsonl", warm_up + [400.0, 500.0, 600.0])
+    (tmp_path / "run" / "bench.json").write_text(json.dumps([
+        {"case": "fsdp-real-large-mbs1", "rc": 0, "tokens_per_s": 500.0}]))
+
+    rows = load([str(tmp_path / "h200_x_bench_mbs2.json"), str(tmp_path / "run" / "bench.json")])
+    sem = {(r["case"], i): r.get("tokens_per_s_sem") for i, r in enumerate(rows)}
+    assert math.isclose(sem[("3d-real-large-mbs2", 0)], 100.0 / math.sqrt(3))
+    assert math.isclose(sem[("3d-mock-large-mbs2", 1)], 200.0 / math.sqrt(3))
+    assert sem[("3d-synthetic-large-mbs2", 2)] is None  # its metrics' mean is not its own: not paired
+    assert sem[("fsdp-real-large-mbs1", 3)] is None  # no file beside the first JSON
+    assert math.isclose(sem[("fsdp-real-large-mbs1", 4)], 100.0 / math.sqrt(3))
+
+    real, mock = rows[0], rows[1]
+    assert math.isclose(ratio_error(real, mock), 2.0 * math.hypot(0.1, 0.1) / math.sqrt(3))
+    assert ratio_error(real, rows[2]) is None
+    table = source_table(rows, "-large")
+    assert "| 3d MBS 2 | 1,000 ± 115 | 0.98 | 0.95x | 0.96 | 2.00x ± 0.33x | 0.97 |" in table
+    assert "fsdp MBS 1" not in table  # real alone: nothing to compare
+
+    assert main([str(tmp_path / "h200_x_bench_mbs2.json"), "--table"]) == 0
+    assert "2.00x ± 0.33x" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "h200_x_bench_mbs2.json")])
+    assert "--out PNG is required" in capsys.readouterr().err

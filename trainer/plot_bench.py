@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
+import statistics
+
+from trainer.run import steady_window
 
 CASE = re.compile(r"^(?P<strategy>fsdp|3d)-(?P<source>real-large|real|synthetic-large|synthetic|mock-large|mock)"
                   r"-mbs(?P<mbs>\d+)(?:-(?P<label>.+))?$")
@@ -20,13 +25,35 @@ COLOURS = {"fsdp": "tab:blue", "3d": "tab:orange"}
 
 
 def load(paths: list[str]) -> list[dict]:
+    """Bench rows with their case name parsed; each gets ``tokens_per_s_sem`` where its per-step
+    metrics lie beside the JSON as ``trainer.bench`` leaves them (``OUT/bench.json`` with
+    ``OUT/CASE.metrics.jsonl``; ``X_bench_Y.json`` with ``X_CASE.metrics.jsonl``)."""
     rows = []
     for path in paths:
+        prefix = os.path.join(os.path.dirname(path), os.path.basename(path).partition("bench")[0])
         for r in json.load(open(path)):
             m = CASE.match(r["case"])
             if m:
-                rows.append({**r, **m.groupdict(), "mbs": int(m["mbs"]), "label": m["label"] or ""})
+                row = {**r, **m.groupdict(), "mbs": int(m["mbs"]), "label": m["label"] or ""}
+                sem = steady_tokens_sem(f"{prefix}{r['case']}.metrics.jsonl", r.get("tokens_per_s"))
+                if sem is not None:
+                    row.setdefault("tokens_per_s_sem", sem)
+                rows.append(row)
     return rows
+
+
+def steady_tokens_sem(metrics_path: str, mean: float | None) -> float | None:
+    """Standard error of a case's steady-state tokens/s (the window ``trainer.run.summarize``
+    averages). None where the file is missing, holds under 3 steady steps, or is from another run
+    of the case (its mean is not ``mean``)."""
+    if mean is None or not os.path.exists(metrics_path):
+        return None
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    values = [r["tokens_per_s"] for r in steady_window(records) if r.get("tokens_per_s") is not None]
+    if len(values) < 3 or abs(statistics.fmean(values) - mean) > 1e-3 * mean + 0.1:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) -> None:
@@ -101,7 +128,7 @@ def plot(rows: list[dict], source: str, out: str, decode: dict | None = None) ->
         ax_gpus, ax_dec, ax_ratio = axes[1]
         _plot_scaling(ax_gpus, scaling)
         _plot_decode(ax_dec, decode)
-        _plot_source_ratios(ax_ratio, ratios)
+        _plot_source_ratios(ax_ratio, rows, suffix)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -122,6 +149,19 @@ def _first(rows: list[dict], key: str, strategy: str, source: str, mbs: int, lab
     return match[0] if match else None
 
 
+def source_pairs(rows: list[dict], suffix: str):
+    """(setting, real row, kind, other row) for each (strategy, MBS) where real photos and a
+    synthetic or mock source finished with the same options; the first run of each."""
+    for r in rows:
+        if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("tokens_per_s"):
+            continue
+        for kind in ("synthetic", "mock"):
+            other = [o for o in rows if (o["strategy"], o["source"], o["mbs"], o["label"]) ==
+                     (r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"]) and o["rc"] == 0 and o.get("tokens_per_s")]
+            if other:
+                yield f"{r['strategy']} MBS {r['mbs']}", r, kind, other[0]
+
+
 def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
     """Per (strategy, MBS) setting where real and another source ran with the same options: that
     source's real tokens/s over real photos' ({"3d MBS 8": {"synthetic": 0.96, "mock": 2.3}}).
@@ -130,14 +170,48 @@ def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
     (Session 4's 4-item blocks left mock rows 10% full, so its steps looked 4.3x faster while its
     tokens/s was half of real's)."""
     out: dict[str, dict[str, float]] = {}
-    for r in rows:
-        if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("tokens_per_s"):
-            continue
-        for kind in ("synthetic", "mock"):
-            other = _first(rows, "tokens_per_s", r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"])
-            if other:
-                out.setdefault(f"{r['strategy']} MBS {r['mbs']}", {})[kind] = round(other / r["tokens_per_s"], 3)
+    for setting, real, kind, other in source_pairs(rows, suffix):
+        out.setdefault(setting, {}).setdefault(kind, round(other["tokens_per_s"] / real["tokens_per_s"], 3))
     return out
+
+
+def ratio_error(real: dict, other: dict) -> float | None:
+    """Standard error of other/real tokens/s from both cases' step-to-step spread; None where
+    either has no per-step metrics."""
+    if real.get("tokens_per_s_sem") is None or other.get("tokens_per_s_sem") is None:
+        return None
+    ratio = other["tokens_per_s"] / real["tokens_per_s"]
+    return ratio * math.hypot(real["tokens_per_s_sem"] / real["tokens_per_s"],
+                              other["tokens_per_s_sem"] / other["tokens_per_s"])
+
+
+def source_table(rows: list[dict], suffix: str) -> str:
+    """The ratios as a Markdown table, +/- two standard errors (about 95%) where per-step metrics
+    exist, with each source's row fill beside its ratio."""
+
+    def pm(value: float, error: float | None, fmt: str) -> str:
+        return fmt.format(value) + ("" if error is None else " ± " + fmt.format(2 * error))
+
+    settings: dict[str, dict] = {}
+    for setting, real, kind, other in source_pairs(rows, suffix):
+        cells = settings.setdefault(setting, {"real": real})
+        cells.setdefault(kind, other)
+    lines = ["| setting | real tokens/s | real fill | synthetic / real | synthetic fill | mock / real | mock fill |",
+             "|---|---|---|---|---|---|---|"]
+    for setting in sorted(settings, key=_settings_order):
+        cells = settings[setting]
+        real = cells["real"]
+        line = [setting, pm(real["tokens_per_s"], real.get("tokens_per_s_sem"), "{:,.0f}"),
+                f"{real.get('real_token_fraction') or 0:.2f}"]
+        for kind in ("synthetic", "mock"):
+            other = cells.get(kind)
+            if other is None:
+                line += ["", ""]
+                continue
+            line += [pm(other["tokens_per_s"] / real["tokens_per_s"], ratio_error(real, other), "{:.2f}x"),
+                     f"{other.get('real_token_fraction') or 0:.2f}"]
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
 
 
 def _settings_order(key: str) -> tuple:
@@ -145,15 +219,21 @@ def _settings_order(key: str) -> tuple:
     return strategy != "3d", int(mbs)
 
 
-def _plot_source_ratios(ax, ratios: dict[str, dict[str, float]]) -> None:
+def _plot_source_ratios(ax, rows: list[dict], suffix: str) -> None:
+    """Ratio bars per setting, with +/- two standard errors where per-step metrics exist."""
+    ratios: dict[str, dict[str, tuple[float, float]]] = {}
+    for setting, real, kind, other in source_pairs(rows, suffix):
+        ratios.setdefault(setting, {}).setdefault(
+            kind, (other["tokens_per_s"] / real["tokens_per_s"], 2 * (ratio_error(real, other) or 0.0)))
     if not ratios:
         ax.axis("off")
         return
     settings = sorted(ratios, key=_settings_order)
-    _grouped_bars(ax, settings, [(f"{kind} / real", colour, [ratios[k].get(kind, 0.0) for k in settings])
-                                 for kind, colour in (("synthetic", "tab:green"), ("mock", "tab:red"))], "{:.2f}x")
+    _grouped_bars(ax, settings, [(f"{kind} / real", colour, [ratios[k].get(kind, (0.0, 0.0))[0] for k in settings])
+                                 for kind, colour in (("synthetic", "tab:green"), ("mock", "tab:red"))], "{:.2f}x",
+                  errors=[[ratios[k].get(kind, (0.0, 0.0))[1] for k in settings] for kind in ("synthetic", "mock")])
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set(ylabel="tokens/s over real photos' (x)", title="how optimistic each source is, same run")
+    ax.set(ylabel="tokens/s over real photos' (x)", title="how optimistic each source is, same run (±2 SE)")
 
 
 SOURCE_COLOURS = {"real": "tab:blue", "synthetic": "tab:green", "mock": "tab:red"}
@@ -198,7 +278,7 @@ def plot_sources(rows: list[dict], source: str, out: str) -> None:
     ax_wait.axhline(1.0, color="red", linestyle="--", linewidth=1)
     ax_wait.set_ylim(-0.05, 1.5)
     ax_fill.set_ylim(0, 1.05)
-    _plot_source_ratios(ax_ratio, source_ratios(rows, suffix))
+    _plot_source_ratios(ax_ratio, rows, suffix)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -227,16 +307,19 @@ def _plot_scaling(ax, rows: list[dict]) -> None:
     ax.set(ylabel="real tokens / s per GPU (MBS 2)", title=f"per GPU on {', '.join(map(str, counts))} GPUs")
 
 
-def _grouped_bars(ax, groups: list[str], series: list[tuple[str, str, list[float]]], fmt: str) -> None:
+def _grouped_bars(ax, groups: list[str], series: list[tuple[str, str, list[float]]], fmt: str,
+                  errors: list[list[float]] | None = None) -> None:
     """One bar per series in each group, (name, colour, one value per group) each, labelled with
-    ``fmt``; 0 = missing."""
+    ``fmt``; 0 = missing. ``errors``: error-bar half-heights, one list per series."""
     width = 0.8 / len(series)
     for k, (name, colour, values) in enumerate(series):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
-        ax.bar(xs, values, width, color=colour, label=name)
-        for x, v in zip(xs, values):
+        yerr = errors[k] if errors else None
+        ax.bar(xs, values, width, color=colour, label=name, yerr=yerr, capsize=3 if yerr else 0)
+        for i, (x, v) in enumerate(zip(xs, values)):
             if v:
-                ax.annotate(fmt.format(v), (x, v), ha="center", fontsize=7, xytext=(0, 2), textcoords="offset points")
+                ax.annotate(fmt.format(v), (x, v + (yerr[i] if yerr else 0)), ha="center", fontsize=7,
+                            xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(groups)), groups)
     ax.legend()
 
@@ -268,8 +351,15 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", default=None, help="gpu_decode.json from trainer.bench --gpu-decode-only")
     ap.add_argument("--by-source", action="store_true",
                     help="plot every source against MBS (tokens/s, data wait, row fill, ratios to real)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--table", action="store_true",
+                    help="print the source ratios as a Markdown table (+/- two standard errors) instead of plotting")
+    ap.add_argument("--out", default=None, help="PNG to write (required unless --table)")
     args = ap.parse_args(argv)
+    if args.table:
+        print(source_table(load(args.bench_json), _suffix(args.source)))
+        return 0
+    if args.out is None:
+        ap.error("--out PNG is required unless --table is given")
     if args.by_source:
         plot_sources(load(args.bench_json), args.source, args.out)
     else:

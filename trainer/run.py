@@ -221,11 +221,15 @@ def rank_main(backend, cfg, data_cfg, run, layout, metrics_path):
     return records if layout.rank == 0 else []
 
 
+def steady_window(records: list[dict]) -> list[dict]:
+    """The steps past the first fifth (at least 2 steps) of compile / warm-up steps."""
+    return records[max(2, len(records) // 5):] or records
+
+
 def summarize(records: list[dict], data_stats: dict, backend: str, world: int, wall_s: float) -> dict:
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     k = max(1, len(losses) // 5)
-    # Steady state: drop the first fifth (at least 2 steps) of compile / warm-up steps.
-    steady = records[max(2, len(records) // 5):] or records
+    steady = steady_window(records)
 
     def mean(*keys):
         vals = [next((r[k] for k in keys if r.get(k) is not None), None) for r in steady]
