@@ -223,15 +223,16 @@ def _plot_source_ratios(ax, rows: list[dict], suffix: str) -> None:
     """Ratio bars per setting, with +/- two standard errors where per-step metrics exist."""
     ratios: dict[str, dict[str, tuple[float, float]]] = {}
     for setting, real, kind, other in source_pairs(rows, suffix):
+        error = ratio_error(real, other)
         ratios.setdefault(setting, {}).setdefault(
-            kind, (other["tokens_per_s"] / real["tokens_per_s"], 2 * (ratio_error(real, other) or 0.0)))
+            kind, (other["tokens_per_s"] / real["tokens_per_s"], math.nan if error is None else 2 * error))
     if not ratios:
         ax.axis("off")
         return
     settings = sorted(ratios, key=_settings_order)
-    _grouped_bars(ax, settings, [(f"{kind} / real", colour, [ratios[k].get(kind, (0.0, 0.0))[0] for k in settings])
+    _grouped_bars(ax, [k.replace(" MBS", "\nMBS") for k in settings], [(f"{kind} / real", colour, [ratios[k].get(kind, (0.0, 0.0))[0] for k in settings])
                                  for kind, colour in (("synthetic", "tab:green"), ("mock", "tab:red"))], "{:.2f}x",
-                  errors=[[ratios[k].get(kind, (0.0, 0.0))[1] for k in settings] for kind in ("synthetic", "mock")])
+                  errors=[[ratios[k].get(kind, (0.0, math.nan))[1] for k in settings] for kind in ("synthetic", "mock")])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set(ylabel="tokens/s over real photos' (x)", title="how optimistic each source is, same run (±2 SE)")
 
@@ -310,7 +311,7 @@ def _plot_scaling(ax, rows: list[dict]) -> None:
 def _grouped_bars(ax, groups: list[str], series: list[tuple[str, str, list[float]]], fmt: str,
                   errors: list[list[float]] | None = None) -> None:
     """One bar per series in each group, (name, colour, one value per group) each, labelled with
-    ``fmt``; 0 = missing. ``errors``: error-bar half-heights, one list per series."""
+    ``fmt``; 0 = missing. ``errors``: error-bar half-heights, one list per series (NaN: none)."""
     width = 0.8 / len(series)
     for k, (name, colour, values) in enumerate(series):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
@@ -318,7 +319,8 @@ def _grouped_bars(ax, groups: list[str], series: list[tuple[str, str, list[float
         ax.bar(xs, values, width, color=colour, label=name, yerr=yerr, capsize=3 if yerr else 0)
         for i, (x, v) in enumerate(zip(xs, values)):
             if v:
-                ax.annotate(fmt.format(v), (x, v + (yerr[i] if yerr else 0)), ha="center", fontsize=7,
+                top = v + (yerr[i] if yerr and not math.isnan(yerr[i]) else 0.0)
+                ax.annotate(fmt.format(v), (x, top), ha="center", fontsize=7,
                             xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(groups)), groups)
     ax.legend()
