@@ -2,6 +2,7 @@
 
     python -m datasvc.bench decode  [--images N] [--max-pixels P] [--synth N] [--out results.json]
     python -m datasvc.bench service [--max-actors N] [--samples N] [--out results.json]
+    python -m datasvc.bench sizing  [SHARDS ...] [--probe-samples 64 128 256] [--seeds 8]
 
 ``decode`` runs every contender on one thread (OpenCV, torch, DALI each pinned to one), on the
 same set of realistic JPEG photos (0.3-4 MP, q90, built from the real photographs shipped in
@@ -18,6 +19,10 @@ packing efficiency against padding every sample to ``seq_len``.
 
 ``service`` measures the Ray-streamed path with 1..N preprocessing actors against the in-process
 path (``process_item`` + ``pack`` in one process) on the same synthetic web-photo shards.
+
+``sizing`` measures how far ``plan.size_blocks``' tokens-per-sample estimate strays from the whole
+set's mean for each probe size, over several data seeds (default shards: the 384 photo crops the
+GPU benchmarks call real-large).
 
 Numbers are wall-clock on whatever machine runs them; nothing here asserts a target.
 """
@@ -683,6 +688,48 @@ def print_service(rep: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------
 
+def bench_sizing(shards: list[str], probe_samples=(64, 128, 256), seeds: int = 8, max_pixels: int = 1048576,
+                 seq_len: int = 4096, micro_batch_size: int = 8) -> dict:
+    """Per probe size: ``size_blocks``' tokens-per-sample estimate against the mean over every sample
+    (both from headers, nothing decoded), over ``seeds`` data seeds, and the seconds a probe takes."""
+    import dataclasses
+
+    from datasvc.config import ServiceConfig
+    from datasvc.plan import sample_token_counts, size_blocks
+    from datasvc.shards import expand_shards, index_shard
+
+    cfg = ServiceConfig(shards=tuple(shards), pipeline="qwen3vl", pipeline_options={"max_pixels": max_pixels},
+                        seq_len=seq_len, micro_batch_size=micro_batch_size)
+    lengths = sample_token_counts(cfg, [index_shard(p) for p in expand_shards(list(shards))])
+    full = float(np.mean(lengths))
+    rows = []
+    for n in probe_samples:
+        estimates, items, seconds = [], [], []
+        for seed in range(seeds):
+            t0 = time.perf_counter()
+            sized, sizing = size_blocks(dataclasses.replace(cfg, seed=seed), probe_samples=n)
+            seconds.append(time.perf_counter() - t0)
+            estimates.append(sizing.tokens_per_sample)
+            items.append(sized.items_per_block)
+        errors = [e / full - 1 for e in estimates]
+        rows.append({"probe_samples": n, "probed": sizing.probed_samples, "estimates": estimates,
+                     "rel_sd": float(np.std(errors)), "worst_rel_error": float(max(map(abs, errors))),
+                     "items_per_block": [min(items), max(items)], "seconds_median": float(np.median(seconds))})
+    return {"shards": len(expand_shards(list(shards))), "samples": len(lengths), "full_mean_tokens": full,
+            "seeds": seeds, "micro_batch_size": micro_batch_size, "seq_len": seq_len, "max_pixels": max_pixels,
+            "rows": rows}
+
+
+def print_sizing(rep: dict) -> None:
+    print(f"\nblock sizing probe: {rep['samples']} samples in {rep['shards']} shards, mean "
+          f"{rep['full_mean_tokens']:.1f} tokens a sample, {rep['seeds']} seeds, MBS {rep['micro_batch_size']}")
+    print(f"{'probe':>6} {'read':>5} {'s.d.':>7} {'worst':>7} {'items/block':>12} {'s':>6}")
+    for r in rep["rows"]:
+        lo, hi = r["items_per_block"]
+        print(f"{r['probe_samples']:>6} {r['probed']:>5} {100 * r['rel_sd']:>6.1f}% {100 * r['worst_rel_error']:>6.1f}% "
+              f"{f'{lo}-{hi}':>12} {r['seconds_median']:>6.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m datasvc.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -711,6 +758,13 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--minutes", type=float, default=10.0)
     k.add_argument("--kill-every", type=float, default=20.0, help="seconds between injected faults")
     k.add_argument("--out", default="bench-soak.json")
+    z = sub.add_parser("sizing", help="how close block sizing's tokens-per-sample estimate comes, per probe size")
+    z.add_argument("shards", nargs="*", help="default: the real-large photo crops")
+    z.add_argument("--probe-samples", type=int, nargs="+", default=[64, 128, 256])
+    z.add_argument("--seeds", type=int, default=8)
+    z.add_argument("--mbs", type=int, default=8)
+    z.add_argument("--max-pixels", type=int, default=1048576)
+    z.add_argument("--out", default="bench-sizing.json")
     args = ap.parse_args(argv)
 
     if args.cmd == "soak":
@@ -719,7 +773,13 @@ def main(argv: list[str] | None = None) -> int:
         rep = soak(args.minutes, out=args.out, kill_every_s=args.kill_every)
         return 0 if rep["samples_lost"] == 0 and rep["samples_duplicated"] == 0 else 1
 
-    if args.cmd == "decode":
+    if args.cmd == "sizing":
+        from datasvc.samples import large_shards
+
+        rep = bench_sizing(args.shards or large_shards(), tuple(args.probe_samples), args.seeds, args.max_pixels,
+                           micro_batch_size=args.mbs)
+        print_sizing(rep)
+    elif args.cmd == "decode":
         rep = bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
                            synth=args.synth, repeats=args.repeats, pack_synth=args.pack_synth,
                            skip_hf_pil=args.skip_hf_pil, mp_range=tuple(args.mp_range), pack_copies=args.pack_copies)

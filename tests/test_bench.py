@@ -109,3 +109,19 @@ def test_unknown_only_case_fails_fast_naming_the_choices(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--only 3d-mbs99" in err and "fsdp-real-large-mbs2-2gpu" in err
+
+
+def test_sizing_bench_measures_the_probe_against_the_whole_set(photo_shards, tmp_path, capsys):
+    """A probe that reads every sample has no error; a small one reads only its share and strays."""
+    from datasvc.bench import main
+
+    out = tmp_path / "sizing.json"
+    assert main(["sizing", *photo_shards, "--probe-samples", "8", "48", "--seeds", "3", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["samples"] == 48 and rep["shards"] == 8
+    small, whole = rep["rows"]
+    assert small["probed"] == 8 and whole["probed"] == 48
+    assert whole["rel_sd"] == 0.0 and whole["worst_rel_error"] < 1e-3  # the mean, up to its rounding
+    assert whole["items_per_block"][0] == whole["items_per_block"][1]
+    assert small["worst_rel_error"] > 0.0
+    assert "block sizing probe: 48 samples in 8 shards" in capsys.readouterr().out

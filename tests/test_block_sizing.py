@@ -77,14 +77,32 @@ def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch
     indexed = []
     real_index = plan.index_shard
     monkeypatch.setattr(plan, "index_shard", lambda p: indexed.append(p) or real_index(p))
-    a, _ = size_blocks(config(photo_shards, 2), probe_shards=3)
+    a, _ = size_blocks(config(photo_shards, 2), probe_shards=3, probe_samples=12)
     first = list(indexed)
     indexed.clear()
-    b, _ = size_blocks(config(photo_shards, 2), probe_shards=3)
+    b, _ = size_blocks(config(photo_shards, 2), probe_shards=3, probe_samples=12)
     assert len(first) == 3 and indexed == first and a == b  # bounded and deterministic
     indexed.clear()
-    size_blocks(config(photo_shards, 2, seed=5), probe_shards=3)
-    assert len(indexed) == 3
+    size_blocks(config(photo_shards, 2, seed=5), probe_shards=3, probe_samples=12)
+    assert len(indexed) == 3 and indexed != first
+
+
+def test_probe_reads_more_small_shards_until_it_has_its_samples(tmp_path, monkeypatch):
+    """Four-sample shards: eight of them hold 32 samples, so the probe takes shards until its 64
+    are in hand (16 of 24), and no more than ``max_probe_shards``."""
+    import datasvc.plan as plan
+    from datasvc.samples import write_photo_shards
+
+    shards = write_photo_shards(str(tmp_path), samples_per_shard=4, copies=4)
+    assert len(shards) == 24
+    indexed = []
+    real_index = plan.index_shard
+    monkeypatch.setattr(plan, "index_shard", lambda p: indexed.append(p) or real_index(p))
+    _, sizing = size_blocks(config(shards, 2), probe_samples=64)
+    assert len(indexed) == 16 and sizing.probed_samples == 64
+    indexed.clear()
+    _, sizing = size_blocks(config(shards, 2), probe_samples=64, max_probe_shards=9)
+    assert len(indexed) == 9 and sizing.probed_samples == 36
 
 
 def test_bad_target_fails_fast(photo_shards):
