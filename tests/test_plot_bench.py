@@ -62,6 +62,7 @@ def test_source_ratios_pair_runs_with_the_same_options_by_tokens_per_s(tmp_path)
         ("3d-real-large-mbs2", 0, 8000.0), ("3d-mock-large-mbs2", 0, 16000.0), ("3d-synthetic-large-mbs2", 0, 7200.0),
         ("3d-real-large-mbs8-vchunk", 0, 10000.0), ("3d-mock-large-mbs8-vchunk", 0, 23000.0),
         ("3d-synthetic-large-mbs8", 0, 99.0),  # other options than the real MBS 8 case: not a pair
+        ("3d-real-large-mbs8", 0, 5000.0),  # its partner, but MBS 8 already has its real run: not mixed in
         ("fsdp-real-large-mbs2", 0, 7000.0), ("fsdp-mock-large-mbs2", 1, None))]
     (tmp_path / "b.json").write_text(json.dumps(rows))
     assert source_ratios(load([str(tmp_path / "b.json")]), "-large") == {

@@ -151,15 +151,23 @@ def _first(rows: list[dict], key: str, strategy: str, source: str, mbs: int, lab
 
 def source_pairs(rows: list[dict], suffix: str):
     """(setting, real row, kind, other row) for each (strategy, MBS) where real photos and a
-    synthetic or mock source finished with the same options; the first run of each."""
+    synthetic or mock source finished with the same options. One real run per setting, the first
+    that has a partner, so a setting's ratios never mix real runs of different options."""
+    taken = set()
     for r in rows:
         if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("tokens_per_s"):
             continue
+        setting = f"{r['strategy']} MBS {r['mbs']}"
+        partners = {}
         for kind in ("synthetic", "mock"):
             other = [o for o in rows if (o["strategy"], o["source"], o["mbs"], o["label"]) ==
                      (r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"]) and o["rc"] == 0 and o.get("tokens_per_s")]
             if other:
-                yield f"{r['strategy']} MBS {r['mbs']}", r, kind, other[0]
+                partners[kind] = other[0]
+        if partners and setting not in taken:
+            taken.add(setting)
+            for kind, other in partners.items():
+                yield setting, r, kind, other
 
 
 def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
@@ -171,7 +179,7 @@ def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
     tokens/s was half of real's)."""
     out: dict[str, dict[str, float]] = {}
     for setting, real, kind, other in source_pairs(rows, suffix):
-        out.setdefault(setting, {}).setdefault(kind, round(other["tokens_per_s"] / real["tokens_per_s"], 3))
+        out.setdefault(setting, {})[kind] = round(other["tokens_per_s"] / real["tokens_per_s"], 3)
     return out
 
 
@@ -194,8 +202,7 @@ def source_table(rows: list[dict], suffix: str) -> str:
 
     settings: dict[str, dict] = {}
     for setting, real, kind, other in source_pairs(rows, suffix):
-        cells = settings.setdefault(setting, {"real": real})
-        cells.setdefault(kind, other)
+        settings.setdefault(setting, {"real": real})[kind] = other
     lines = ["| setting | real tokens/s | real fill | synthetic / real | synthetic fill | mock / real | mock fill |",
              "|---|---|---|---|---|---|---|"]
     for setting in sorted(settings, key=_settings_order):
@@ -224,15 +231,17 @@ def _plot_source_ratios(ax, rows: list[dict], suffix: str) -> None:
     ratios: dict[str, dict[str, tuple[float, float]]] = {}
     for setting, real, kind, other in source_pairs(rows, suffix):
         error = ratio_error(real, other)
-        ratios.setdefault(setting, {}).setdefault(
-            kind, (other["tokens_per_s"] / real["tokens_per_s"], math.nan if error is None else 2 * error))
+        ratios.setdefault(setting, {})[kind] = (other["tokens_per_s"] / real["tokens_per_s"],
+                                                math.nan if error is None else 2 * error)
     if not ratios:
         ax.axis("off")
         return
     settings = sorted(ratios, key=_settings_order)
-    _grouped_bars(ax, [k.replace(" MBS", "\nMBS") for k in settings], [(f"{kind} / real", colour, [ratios[k].get(kind, (0.0, 0.0))[0] for k in settings])
-                                 for kind, colour in (("synthetic", "tab:green"), ("mock", "tab:red"))], "{:.2f}x",
-                  errors=[[ratios[k].get(kind, (0.0, math.nan))[1] for k in settings] for kind in ("synthetic", "mock")])
+    kinds = (("synthetic", "tab:green"), ("mock", "tab:red"))
+    _grouped_bars(ax, [k.replace(" MBS", "\nMBS") for k in settings],
+                  [(f"{kind} / real", colour, [ratios[k].get(kind, (0.0, 0.0))[0] for k in settings])
+                   for kind, colour in kinds], "{:.2f}x",
+                  errors=[[ratios[k].get(kind, (0.0, math.nan))[1] for k in settings] for kind, _ in kinds])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set(ylabel="tokens/s over real photos' (x)", title="how optimistic each source is, same run (±2 SE)")
 
