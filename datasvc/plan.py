@@ -62,16 +62,24 @@ class EpochPlan:
         epoch of the block's first item. Every epoch still holds each item once. An epoch then ends
         without a part-empty block of its own, which matters when an epoch is only a few blocks."""
         n = self.cfg.items_per_block
-        per_epoch = len(self.items(0, rank))
+        per_epoch = len(self._items[rank::self.cfg.dp_size])
         total = None if self.cfg.epochs is None else self.cfg.epochs * per_epoch
+        orders: dict[int, list] = {}  # each epoch's order is drawn once, not once per block
         block = start_block
         while per_epoch and (total is None or block * n < total):
             first = block * n
             end = first + n if total is None else min(first + n, total)
-            epochs = range(first // per_epoch, (end - 1) // per_epoch + 1)  # the epochs this block touches
-            laid = [item for e in epochs for item in self.items(e, rank)]
-            offset = epochs[0] * per_epoch
-            yield epochs[0], block, laid[first - offset:end - offset]
+            items, at = [], first
+            while at < end:
+                epoch, offset = divmod(at, per_epoch)
+                if epoch not in orders:
+                    orders[epoch] = self.items(epoch, rank)
+                taken = orders[epoch][offset:offset + end - at]
+                items += taken
+                at += len(taken)
+            yield first // per_epoch, block, items
+            for done in [e for e in orders if e < (end - 1) // per_epoch]:
+                del orders[done]
             block += 1
 
     def pack_block(self, samples: list[EncodedSample], epoch: int, rank: int, block: int, pad_id: int,

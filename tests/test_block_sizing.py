@@ -129,6 +129,20 @@ def test_spanning_blocks_lay_epochs_end_to_end(photo_shards):
     assert [e for e, _, _ in first][-1] >= 4  # streams on past the epochs a finite plan would stop at
 
 
+def test_spanning_blocks_draw_each_epoch_order_once(photo_shards, monkeypatch):
+    """A block's items come from the epoch orders it touches, each drawn once for the whole stream,
+    so a feeder's work per block does not grow with the dataset."""
+    cfg = config(photo_shards, 2, items_per_block=2, epochs=3, blocks_span_epochs=True)
+    plan = EpochPlan(cfg)
+    expected = list(plan.spanning_blocks(0))
+    drawn = []
+    real_items = EpochPlan.items
+    monkeypatch.setattr(EpochPlan, "items", lambda self, epoch, rank: drawn.append(epoch) or real_items(self, epoch, rank))
+    assert list(plan.spanning_blocks(0)) == expected
+    assert len(expected) > 3 * 2 and drawn == [0, 1, 2]
+    assert [i for _, _, items in expected for i in items] == [i for e in range(3) for i in real_items(plan, e, 0)]
+
+
 def test_spanning_blocks_change_the_fingerprint_only_when_set(photo_shards):
     base = config(photo_shards, 2, items_per_block=3)
     assert config(photo_shards, 2, items_per_block=3, blocks_span_epochs=False).fingerprint() == base.fingerprint()
