@@ -698,9 +698,10 @@ def bench_sizing(shards: list[str], probe_samples=(64, 128, 256), seeds: int = 8
     from datasvc.plan import sample_token_counts, size_blocks
     from datasvc.shards import expand_shards, index_shard
 
-    cfg = ServiceConfig(shards=tuple(shards), pipeline="qwen3vl", pipeline_options={"max_pixels": max_pixels},
+    paths = expand_shards(list(shards))
+    cfg = ServiceConfig(shards=tuple(paths), pipeline="qwen3vl", pipeline_options={"max_pixels": max_pixels},
                         seq_len=seq_len, micro_batch_size=micro_batch_size)
-    lengths = sample_token_counts(cfg, [index_shard(p) for p in expand_shards(list(shards))])
+    lengths = sample_token_counts(cfg, [index_shard(p) for p in paths])
     full = float(np.mean(lengths))
     rows = []
     for n in probe_samples:
@@ -715,7 +716,7 @@ def bench_sizing(shards: list[str], probe_samples=(64, 128, 256), seeds: int = 8
         rows.append({"probe_samples": n, "probed": sizing.probed_samples, "estimates": estimates,
                      "rel_sd": float(np.std(errors)), "worst_rel_error": float(max(map(abs, errors))),
                      "items_per_block": [min(items), max(items)], "seconds_median": float(np.median(seconds))})
-    return {"shards": len(expand_shards(list(shards))), "samples": len(lengths), "full_mean_tokens": full,
+    return {"shards": len(paths), "samples": len(lengths), "full_mean_tokens": full,
             "seeds": seeds, "micro_batch_size": micro_batch_size, "seq_len": seq_len, "max_pixels": max_pixels,
             "rows": rows}
 

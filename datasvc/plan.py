@@ -45,6 +45,10 @@ class EpochPlan:
         """Mean samples in a work item: fewer than ``cfg.samples_per_item`` where shards are small."""
         return self.total_samples / max(1, len(self._items))
 
+    def items_per_epoch(self, rank: int) -> int:
+        """How many work items this rank gets each epoch, without drawing an order."""
+        return len(range(rank, len(self._items), self.cfg.dp_size))
+
     def items(self, epoch: int, rank: int) -> list:
         """This rank's work items for the epoch, in delivery order."""
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self._items))
@@ -62,7 +66,7 @@ class EpochPlan:
         epoch of the block's first item. Every epoch still holds each item once. An epoch then ends
         without a part-empty block of its own, which matters when an epoch is only a few blocks."""
         n = self.cfg.items_per_block
-        per_epoch = len(self._items[rank::self.cfg.dp_size])
+        per_epoch = self.items_per_epoch(rank)
         total = None if self.cfg.epochs is None else self.cfg.epochs * per_epoch
         orders: dict[int, list] = {}  # each epoch's order is drawn once, not once per block
         block = start_block
@@ -134,9 +138,10 @@ def size_blocks(cfg: ServiceConfig, target_micro_batches: int = 8, probe_samples
     ``indexes`` when given): at least ``probe_shards``, and more until they hold ``probe_samples``
     usable samples, at most ``max_probe_shards``, so the driver's cost does not grow with the
     dataset. Up to ``probe_samples`` of their samples are read. On the bundled photo crops (six
-    samples a shard, captions and two-image conversations) the mean over 64 samples strayed 14-20%
-    (one s.d. over 8 seeds, worst 37%) from the whole set's; over 256, 4% (worst 11%), in 0.5 s. Image headers give the patch grids and the
-    pipeline's own encoder gives the token count, so no pixel is decoded. The choice is a pure
+    samples a shard, captions and two-image conversations) the mean over 64 samples strayed 20%
+    (one s.d. over 8 seeds, worst 37%) from the whole set's; over 256, 4% (worst 11%), in 0.5 s
+    (``python -m datasvc.bench sizing``). Image headers give the patch grids and the pipeline's own
+    encoder gives the token count, so no pixel is decoded. The choice is a pure
     function of the shards and the config, and it is part of ``cfg.fingerprint()``, so a resumed run
     that re-derives it continues exactly.
     """

@@ -351,7 +351,7 @@ class Feeder:
         chain: the blocks before the start position only rebuild the rows that chain holds."""
         chain = self.cfg.chain_blocks
         first = self.start.block - self.start.block % chain
-        spanning = self.cfg.blocks_span_epochs and self.plan.items(0, self.rank)
+        spanning = self.cfg.blocks_span_epochs and self.plan.items_per_epoch(self.rank) > 0
         blocks = self.plan.spanning_blocks(self.rank, first) if spanning else self._epoch_blocks(first)
         current = next(blocks, None)
         while current is not None:

@@ -23,6 +23,12 @@ def _case(strategy: str, source: str, mbs: int, iters: int, *extra: str, label: 
     return name, source, ["--strategy", strategy, "--mbs", str(mbs), "--train-iters", str(iters), *extra]
 
 
+def _sources(strategy: str, mbs: int, iters: int, *extra: str, label: str = "") -> list[tuple]:
+    """The same case on real-large photos and on the synthetic and mock sets calibrated from them."""
+    return [_case(strategy, src, mbs, iters, *extra, label=label)
+            for src in ("real-large", "synthetic-large", "mock-large")]
+
+
 # Sources: "real" is the bundled photo set (96 samples an epoch); "real-large" the same photos as 384
 # distinct crops, so that blocks fill the rows of MBS 4 and 8; synthetic/mock are calibrated from
 # the real set of the same name and have as many samples.
@@ -71,28 +77,24 @@ GROUPS = {
                  _case("fsdp", "real-large", 2, 10, label="1gpu")],
     # Session 4: real vs calibrated synthetic vs image-free mock at MBS 8, where the vision tower's
     # share of the step is largest (Session 2 compared them at MBS 2).
-    "sources-mbs8": [_case("3d", src, 8, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
-                           "--expandable-segments", label="recompute-vchunk32k-expseg")
-                     for src in ("real-large", "synthetic-large", "mock-large")],
+    "sources-mbs8": _sources("3d", 8, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
+                             "--expandable-segments", label="recompute-vchunk32k-expseg"),
     # Session 4: blocks sized in micro-batches (the default now) against the old fixed 2 x MBS items.
     "block-sizing": [_case("3d", "real-large", 2, 15, label="sized-blocks"),
                      _case("3d", "real-large", 2, 15, "--items-per-block", "4", label="4-item-blocks")],
     # Session 5: the rest of the source x MBS matrix, with blocks sized in micro-batches and spanning
     # epochs (trainer.run's defaults now), real re-measured beside each so the ratios are same-run.
-    "sources-fsdp-mbs8": [_case("fsdp", src, 8, 8, "--recompute", "full", "--vision-chunk-patches", "32768",
-                                "--expandable-segments", label="recompute-vchunk32k-expseg")
-                          for src in ("real-large", "synthetic-large", "mock-large")],
-    "sources-3d-mbs1-4": [
-        *(_case("3d", src, 1, 20) for src in ("real-large", "synthetic-large", "mock-large")),
-        *(_case("3d", src, 4, 12, "--recompute", "full", "--vision-chunk-patches", "32768",
-                label="recompute-vchunk32k") for src in ("real-large", "synthetic-large", "mock-large"))],
-    "sources-3d-mbs2": [_case("3d", src, 2, 15) for src in ("real-large", "synthetic-large", "mock-large")],
+    "sources-fsdp-mbs8": _sources("fsdp", 8, 8, "--recompute", "full", "--vision-chunk-patches", "32768",
+                                  "--expandable-segments", label="recompute-vchunk32k-expseg"),
+    "sources-3d-mbs1-4": [*_sources("3d", 1, 20),
+                          *_sources("3d", 4, 12, "--recompute", "full", "--vision-chunk-patches", "32768",
+                                    label="recompute-vchunk32k")],
+    "sources-3d-mbs2": _sources("3d", 2, 15),
     # Session 6: the fsdp cells still missing, chains of 4 (trainer.run's default) throughout.
-    "sources-fsdp-mbs1-4": [
-        *(_case("fsdp", src, 1, 16) for src in ("real-large", "synthetic-large", "mock-large")),
-        *(_case("fsdp", src, 4, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
-                label="recompute-vchunk32k") for src in ("real-large", "synthetic-large", "mock-large"))],
-    "sources-fsdp-mbs2": [_case("fsdp", src, 2, 12) for src in ("real-large", "synthetic-large", "mock-large")],
+    "sources-fsdp-mbs1-4": [*_sources("fsdp", 1, 16),
+                            *_sources("fsdp", 4, 10, "--recompute", "full", "--vision-chunk-patches", "32768",
+                                      label="recompute-vchunk32k")],
+    "sources-fsdp-mbs2": _sources("fsdp", 2, 12),
     # Session 5: blocks packed in chains of 4 (trainer.run's default) against each block on its own,
     # same run; the data service alone showed rows 0.98 full against 0.92-0.94 (S5.2).
     "chain-blocks": [_case("3d", "real-large", mbs, iters, "--recompute", "full", "--vision-chunk-patches", "32768",

@@ -140,34 +140,35 @@ def _suffix(source: str) -> str:
 
 def step_time(rows: list[dict], strategy: str, source: str, mbs: int, label: str) -> float | None:
     """Step time of the first finished case with exactly these options; None when there is none."""
-    return _first(rows, "step_time_s", strategy, source, mbs, label)
+    row = _first(rows, "step_time_s", strategy, source, mbs, label)
+    return row["step_time_s"] if row else None
 
 
-def _first(rows: list[dict], key: str, strategy: str, source: str, mbs: int, label: str) -> float | None:
-    match = [r[key] for r in rows if (r["strategy"], r["source"], r["mbs"], r["label"]) ==
-             (strategy, source, mbs, label) and r["rc"] == 0 and r.get(key)]
-    return match[0] if match else None
+def _first(rows: list[dict], key: str, strategy: str, source: str, mbs: int, label: str) -> dict | None:
+    """The first finished case with exactly these options that has ``key``."""
+    return next((r for r in rows if (r["strategy"], r["source"], r["mbs"], r["label"]) ==
+                 (strategy, source, mbs, label) and r["rc"] == 0 and r.get(key)), None)
 
 
-def source_pairs(rows: list[dict], suffix: str):
-    """(setting, real row, kind, other row) for each (strategy, MBS) where real photos and a
-    synthetic or mock source finished with the same options. One real run per setting, the first
-    that has a partner, so a setting's ratios never mix real runs of different options."""
-    taken = set()
+KINDS = ("synthetic", "mock")
+
+
+def source_settings(rows: list[dict], suffix: str) -> dict[str, dict[str, dict]]:
+    """{"3d MBS 8": {"real": row, "synthetic": row, "mock": row}, ...} in table order, for each
+    (strategy, MBS) where real photos and a synthetic or mock source finished with the same options.
+    One real run per setting, the first that has a partner, so a setting's ratios never mix real
+    runs of different options."""
+    out: dict[str, dict[str, dict]] = {}
     for r in rows:
-        if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("tokens_per_s"):
-            continue
         setting = f"{r['strategy']} MBS {r['mbs']}"
-        partners = {}
-        for kind in ("synthetic", "mock"):
-            other = [o for o in rows if (o["strategy"], o["source"], o["mbs"], o["label"]) ==
-                     (r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"]) and o["rc"] == 0 and o.get("tokens_per_s")]
-            if other:
-                partners[kind] = other[0]
-        if partners and setting not in taken:
-            taken.add(setting)
-            for kind, other in partners.items():
-                yield setting, r, kind, other
+        if r["source"] != f"real{suffix}" or r["rc"] != 0 or not r.get("tokens_per_s") or setting in out:
+            continue
+        partners = {kind: _first(rows, "tokens_per_s", r["strategy"], f"{kind}{suffix}", r["mbs"], r["label"])
+                    for kind in KINDS}
+        partners = {kind: row for kind, row in partners.items() if row}
+        if partners:
+            out[setting] = {"real": r, **partners}
+    return {k: out[k] for k in sorted(out, key=_settings_order)}
 
 
 def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
@@ -177,10 +178,12 @@ def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
     Tokens/s, not step time: a source whose rows are emptier has shorter steps without being faster
     (Session 4's 4-item blocks left mock rows 10% full, so its steps looked 4.3x faster while its
     tokens/s was half of real's)."""
-    out: dict[str, dict[str, float]] = {}
-    for setting, real, kind, other in source_pairs(rows, suffix):
-        out.setdefault(setting, {})[kind] = round(other["tokens_per_s"] / real["tokens_per_s"], 3)
-    return out
+    return {setting: {kind: round(_ratio(cells, kind), 3) for kind in KINDS if kind in cells}
+            for setting, cells in source_settings(rows, suffix).items()}
+
+
+def _ratio(cells: dict[str, dict], kind: str) -> float:
+    return cells[kind]["tokens_per_s"] / cells["real"]["tokens_per_s"]
 
 
 def ratio_error(real: dict, other: dict) -> float | None:
@@ -200,23 +203,18 @@ def source_table(rows: list[dict], suffix: str) -> str:
     def pm(value: float, error: float | None, fmt: str) -> str:
         return fmt.format(value) + ("" if error is None else " ± " + fmt.format(2 * error))
 
-    settings: dict[str, dict] = {}
-    for setting, real, kind, other in source_pairs(rows, suffix):
-        settings.setdefault(setting, {"real": real})[kind] = other
     lines = ["| setting | real tokens/s | real fill | synthetic / real | synthetic fill | mock / real | mock fill |",
              "|---|---|---|---|---|---|---|"]
-    for setting in sorted(settings, key=_settings_order):
-        cells = settings[setting]
+    for setting, cells in source_settings(rows, suffix).items():
         real = cells["real"]
         line = [setting, pm(real["tokens_per_s"], real.get("tokens_per_s_sem"), "{:,.0f}"),
                 f"{real.get('real_token_fraction') or 0:.2f}"]
-        for kind in ("synthetic", "mock"):
-            other = cells.get(kind)
-            if other is None:
+        for kind in KINDS:
+            if kind not in cells:
                 line += ["", ""]
                 continue
-            line += [pm(other["tokens_per_s"] / real["tokens_per_s"], ratio_error(real, other), "{:.2f}x"),
-                     f"{other.get('real_token_fraction') or 0:.2f}"]
+            line += [pm(_ratio(cells, kind), ratio_error(real, cells[kind]), "{:.2f}x"),
+                     f"{cells[kind].get('real_token_fraction') or 0:.2f}"]
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
 
@@ -228,20 +226,22 @@ def _settings_order(key: str) -> tuple:
 
 def _plot_source_ratios(ax, rows: list[dict], suffix: str) -> None:
     """Ratio bars per setting, with +/- two standard errors where per-step metrics exist."""
-    ratios: dict[str, dict[str, tuple[float, float]]] = {}
-    for setting, real, kind, other in source_pairs(rows, suffix):
-        error = ratio_error(real, other)
-        ratios.setdefault(setting, {})[kind] = (other["tokens_per_s"] / real["tokens_per_s"],
-                                                math.nan if error is None else 2 * error)
-    if not ratios:
+    settings = source_settings(rows, suffix)
+    if not settings:
         ax.axis("off")
         return
-    settings = sorted(ratios, key=_settings_order)
-    kinds = (("synthetic", "tab:green"), ("mock", "tab:red"))
+
+    def bar(cells: dict, kind: str) -> tuple[float, float]:
+        if kind not in cells:
+            return 0.0, math.nan
+        error = ratio_error(cells["real"], cells[kind])
+        return _ratio(cells, kind), math.nan if error is None else 2 * error
+
+    bars = {kind: [bar(cells, kind) for cells in settings.values()] for kind in KINDS}
     _grouped_bars(ax, [k.replace(" MBS", "\nMBS") for k in settings],
-                  [(f"{kind} / real", colour, [ratios[k].get(kind, (0.0, 0.0))[0] for k in settings])
-                   for kind, colour in kinds], "{:.2f}x",
-                  errors=[[ratios[k].get(kind, (0.0, math.nan))[1] for k in settings] for kind, _ in kinds])
+                  [(f"{kind} / real", colour, [v for v, _ in bars[kind]])
+                   for kind, colour in zip(KINDS, ("tab:green", "tab:red"))], "{:.2f}x",
+                  errors=[[e for _, e in bars[kind]] for kind in KINDS])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set(ylabel="tokens/s over real photos' (x)", title="how optimistic each source is, same run (±2 SE)")
 
