@@ -1,10 +1,12 @@
 """Trainer orchestration: rank layout, packed-row splitting, and the whole job under `ray job submit`."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -71,8 +73,6 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
         ray.shutdown()
     port, dash = _free_port(), _free_port()
     ray_bin = os.path.join(venv_bin, "ray")
-    import tempfile
-
     temp = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # AF_UNIX socket paths must stay short
     # --block in its own session: the test stops exactly this cluster (not `ray stop`, which would
     # kill every Ray cluster on the machine).
@@ -100,6 +100,7 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
                 break
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
+        shutil.rmtree(temp, ignore_errors=True)  # Ray's session logs, several MB a run
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
     assert "CPU development path" in job.stdout
     summary = json.loads((out / "summary.json").read_text())
