@@ -1,9 +1,11 @@
 """What flows between stages: one encoded sample, and one packed micro-batch.
 
-Arrays are numpy so they cross the Ray object store without copies. Images travel as uint8
-patches (3 x 16 x 16 = 768 bytes per patch, one temporal frame); the client turns them into the
-model's float ``pixel_values`` [N, C*T*P*P] late, on the rank (see ``datasvc.client``), which
-saves 8x in object-store traffic over float32 with both frames.
+Arrays are numpy so they cross the Ray object store without copies. Images travel as their
+resized uint8 pixels, one temporal frame, in raster order (``vision.pixel_rows``: 768 bytes, one
+patch's worth, per row); the client turns them into the model's float ``pixel_values``
+[N, C*T*P*P] in patch order late, on the rank (see ``datasvc.client``). That saves 8x in
+object-store traffic over float32 with both frames, and leaves the patch permutation to the rank's
+GPU, where it is free.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ class EncodedSample:
     shard: str
     input_ids: np.ndarray  # int32 [L]
     labels: np.ndarray  # int32 [L], already shifted: labels[i] is the target for position i
-    patches: np.ndarray  # uint8 [sum(h*w), 3*P*P] in the model's row order (merge windows)
+    pixels: np.ndarray  # uint8 [sum(h*w), 3*P*P]: each image's ``vision.pixel_rows`` in turn
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
 
     @property
@@ -31,7 +33,7 @@ class EncodedSample:
 
     @property
     def num_patches(self) -> int:
-        return int(self.patches.shape[0])
+        return int(self.pixels.shape[0])
 
 
 @dataclass(slots=True)
@@ -40,7 +42,7 @@ class PackedBatch:
 
     Row r holds ``num_samples[r]`` samples; sample j of row r spans tokens
     ``cu_seqlens[r, j] : cu_seqlens[r, j + 1]``; tokens past ``cu_seqlens[r, num_samples[r]]``
-    are padding (pad id, label -100, loss_mask 0). Images appear in ``patches``/``image_grid_thw``
+    are padding (pad id, label -100, loss_mask 0). Images appear in ``pixels``/``image_grid_thw``
     in the order their pad spans appear in ``tokens`` read row-major.
     """
 
@@ -49,7 +51,7 @@ class PackedBatch:
     loss_mask: np.ndarray  # float32 [B, S]
     cu_seqlens: np.ndarray  # int32 [B, K+1], K = max samples per row; unused tail repeats the end
     num_samples: np.ndarray  # int32 [B]
-    patches: np.ndarray  # uint8 [N, 3*P*P]
+    pixels: np.ndarray  # uint8 [N, 3*P*P]: each image's ``vision.pixel_rows`` in turn
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
     sample_keys: list[str] = field(default_factory=list)  # "shard/key", in row-major order
     sample_rows: np.ndarray | None = None  # int32 [n_samples]: the row each key sits in
@@ -69,7 +71,7 @@ class PackedBatch:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.tokens, self.labels, self.loss_mask, self.cu_seqlens,
-                                      self.num_samples, self.patches, self.image_grid_thw))
+                                      self.num_samples, self.pixels, self.image_grid_thw))
 
     def sample_spans(self) -> list[tuple[int, int, int]]:
         """(row, start, end) of every sample, row-major; the trainer builds THD params from these."""

@@ -11,11 +11,13 @@ installed wheels), and reports images/s and MP/s (source megapixels) for:
   (a) raw decode only: torchvision.io.decode_jpeg (libjpeg-turbo), PIL, DALI CPU;
   (b) the HF Qwen2-VL image processor at Qwen3-VL settings on PIL images decoded from the bytes
       (decode included), both the torchvision backend and the PIL backend of transformers 5.x;
-  (c) our CPU path: ``preprocess_images`` (+ ``to_pixel_values`` for the model's float rows), and
-      to uint8 patches only (what travels through the object store).
+  (c) our CPU path: ``preprocess_images`` to uint8 pixel rows (what the preprocessing actors do
+      and what travels through the object store), and on to the model's float ``pixel_values``
+      with ``to_pixel_values`` on the CPU (what a rank without a GPU adds); as a baseline in the
+      same run, the actors' work when they also put the rows in patch order (before Session 7).
 
-and a per-stage profile of (c) (probe, decode, resize, patchify, normalize). It also reports
-packing efficiency against padding every sample to ``seq_len``.
+and a per-stage profile of (c) (probe, decode, resize, then the consumer's patch order and
+normalize). It also reports packing efficiency against padding every sample to ``seq_len``.
 
 ``service`` measures the Ray-streamed path with 1..N preprocessing actors against the in-process
 path (``process_item`` + ``pack`` in one process) on the same synthetic web-photo shards.
@@ -223,54 +225,34 @@ def _hf_run(proc):
     return run
 
 
-def _ours(spec, decoder, chunk: int, floats: bool, normalize=None):
+def _ours(spec, decoder, chunk: int, finish=None):
+    """Our path on ``chunk`` images at a time; ``finish(rows, grid)`` runs on each image's rows."""
     from datasvc.process import preprocess_images
-    from datasvc.vision import to_pixel_values
-
-    normalize = normalize or to_pixel_values
 
     def run(photos):
         for i in range(0, len(photos), chunk):
             for res in preprocess_images([p.data for p in photos[i:i + chunk]], spec, decoder):
                 if not isinstance(res, tuple):
                     raise RuntimeError(f"our path rejected a benchmark photo: {res}")
-                if floats:
-                    normalize(res[0], spec)
+                if finish:
+                    finish(*res)
     return run
 
 
-def fused_pixel_values(patches: np.ndarray, spec) -> np.ndarray:
-    """Proposed faster ``to_pixel_values`` for numpy: one table lookup per byte (OpenCV LUT, SIMD)
-    straight to float32, then the frame copy; same values to 1e-7 (see ``bench decode``)."""
-    import cv2
+def _patch_order(rows: np.ndarray, grid, spec) -> np.ndarray:
+    from datasvc.vision import patchify
 
-    n, pp = patches.shape[0], spec.patch_size * spec.patch_size
-    mean = np.asarray(spec.image_mean, np.float32)
-    std = np.asarray(spec.image_std, np.float32)
-    levels = np.arange(256, dtype=np.float32)
-    x = patches.reshape(n, 3, pp)
-    out = np.empty((n, 3, spec.temporal_patch_size, pp), np.float32)
-    if np.all(mean == mean[0]) and np.all(std == std[0]):
-        lut = levels * np.float32(1.0 / (255.0 * std[0])) - np.float32(mean[0] / std[0])
-        y = cv2.LUT(x.reshape(n * 3, pp), lut).reshape(n, 3, pp)
-        for t in range(spec.temporal_patch_size):
-            out[:, :, t] = y
-    else:
-        for c in range(3):
-            lut = levels * np.float32(1.0 / (255.0 * std[c])) - np.float32(mean[c] / std[c])
-            y = cv2.LUT(np.ascontiguousarray(x[:, c]), lut)
-            for t in range(spec.temporal_patch_size):
-                out[:, c, t] = y
-    return out.reshape(n, spec.pixel_values_dim)
+    _, gh, gw = grid
+    return patchify(rows.reshape(gh * spec.patch_size, gw * spec.patch_size, 3), spec)
 
 
 def profile_ours(photos: list[Photo], spec, decoder) -> dict:
-    """Seconds per stage of our CPU path, summed over the photos (one pass, after a warm-up)."""
+    """Seconds per stage of our CPU path, summed over the photos (one pass, after a warm-up): the
+    actors' probe, decode and resize, then ``to_pixel_values`` (patch order and normalize)."""
     from datasvc.decode import DecodeJob, probe, resize_uint8
-    from datasvc.vision import patchify, to_pixel_values
+    from datasvc.vision import pixel_rows, to_pixel_values
 
-    secs = dict(probe=0.0, decode=0.0, resize=0.0, patchify=0.0, normalize=0.0)
-    fused_s, fused_err = 0.0, 0.0
+    secs = dict(probe=0.0, decode=0.0, resize=0.0, to_pixel_values=0.0)
     chunk = 16
     for timed, subset in ((False, photos[:2]), (True, photos)):
         for i in range(0, len(subset), chunk):
@@ -283,26 +265,16 @@ def profile_ours(photos: list[Photo], spec, decoder) -> dict:
             t1 = time.perf_counter()
             full = decoder._dali([j.data for j in jobs])
             t2 = time.perf_counter()
-            resized = [resize_uint8(img, j.target_hw) for img, j in zip(full, jobs)]
+            rows = [pixel_rows(resize_uint8(img, j.target_hw), spec) for img, j in zip(full, jobs)]
             t3 = time.perf_counter()
-            patches = [patchify(img, spec) for img in resized]
+            for r, j in zip(rows, jobs):
+                to_pixel_values(r, spec, [spec.grid(j.header.height, j.header.width)])
             t4 = time.perf_counter()
-            for pt in patches:
-                to_pixel_values(pt, spec)
-            t5 = time.perf_counter()
-            for pt in patches:
-                fused_pixel_values(pt, spec)
-            t6 = time.perf_counter()
-            fused_err = max([fused_err] + [float(np.abs(fused_pixel_values(pt, spec) - to_pixel_values(pt, spec)).max())
-                                           for pt in patches[:1]])
             if timed:
-                fused_s += t6 - t5
-                for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     secs[k] += dt
     total = sum(secs.values())
-    prof = {k: {"seconds": round(v, 4), "share": round(v / total, 3) if total else 0.0} for k, v in secs.items()}
-    prof["proposed_fused_normalize"] = {"seconds": round(fused_s, 4), "max_abs_diff": fused_err}
-    return prof
+    return {k: {"seconds": round(v, 4), "share": round(v / total, 3) if total else 0.0} for k, v in secs.items()}
 
 
 def _resize_stats(photos: list[Photo], spec) -> dict:
@@ -404,7 +376,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
                  mp_range: tuple[float, float] = (0.3, 4.0), pack_copies: int = 2) -> dict:
     _pin_threads()
     from datasvc.decode import CpuDecoder
-    from datasvc.vision import VisionSpec
+    from datasvc.vision import VisionSpec, to_pixel_values
 
     spec = VisionSpec(min_pixels=min_pixels, max_pixels=max_pixels)
     t0 = time.perf_counter()
@@ -423,10 +395,9 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         if skip_hf_pil and name == "hf_qwen2vl_pil":
             continue
         runs[name] = ("b", _hf_run(proc))
-    runs["ours_pixel_values"] = ("c", _ours(spec, decoder, 16, floats=True))
-    runs["ours_uint8_patches"] = ("c", _ours(spec, decoder, 16, floats=False))
-    # Not the shipped path: ours with the proposed fused normalize (``fused_pixel_values``).
-    runs["ours_pixel_values_fused_lut"] = ("c*", _ours(spec, decoder, 16, floats=True, normalize=fused_pixel_values))
+    runs["ours_pixel_values"] = ("c", _ours(spec, decoder, 16, lambda rows, grid: to_pixel_values(rows, spec, [grid])))
+    runs["ours_uint8_pixel_rows"] = ("c", _ours(spec, decoder, 16))
+    runs["baseline_uint8_patch_order"] = ("c-", _ours(spec, decoder, 16, lambda rows, grid: _patch_order(rows, grid, spec)))
 
     results = {}
     for name, (group, fn) in runs.items():
@@ -438,7 +409,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
     fastest_a = max((k for k, v in results.items() if v["group"] == "a"), key=lambda k: results[k]["images_per_s"])
     fastest_b = max((k for k, v in results.items() if v["group"] == "b"), key=lambda k: results[k]["images_per_s"])
     ratios = {}
-    for c in ("ours_pixel_values", "ours_uint8_patches", "ours_pixel_values_fused_lut"):
+    for c in ("ours_pixel_values", "ours_uint8_pixel_rows", "baseline_uint8_patch_order"):
         rc = results[c]["images_per_s"]
         ratios[c] = {
             "vs_fastest_decode": round(rc / results[fastest_a]["images_per_s"], 3),
@@ -494,9 +465,8 @@ def print_decode(rep: dict) -> None:
     print("profile of ours (pixel_values), share of time: " +
           ", ".join(f"{k} {v['share'] * 100:.0f}% ({v['seconds']:.3f}s)" for k, v in rep["profile_ours"].items()
               if "share" in v))
-    fz = rep["profile_ours"]["proposed_fused_normalize"]
-    print(f"proposed fused LUT normalize: {fz['seconds']:.3f}s instead of "
-          f"{rep['profile_ours']['normalize']['seconds']:.3f}s (max abs diff {fz['max_abs_diff']:.1e})")
+    base, rows = (rep["results"][k]["images_per_s"] for k in ("baseline_uint8_patch_order", "ours_uint8_pixel_rows"))
+    print(f"the actors' work per core, pixel rows over patch order in the actor: {rows / base:.2f}x")
     pk = rep.get("packing") or {}
     if pk:
         print(f"\npacking ({pk['sources']}, max_pixels={pk['max_pixels']}, "

@@ -2,8 +2,8 @@
 
 A background thread keeps ``prefetch`` micro-batches in flight: it fetches refs from the rank's
 feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
-tensors (pinned and moved to the GPU when there is one) and expands uint8 patches to float
-``pixel_values``. ``save_state``/``restore_state`` give exact resume.
+tensors (pinned and moved to the GPU when there is one) and expands uint8 pixel rows to float
+``pixel_values`` in patch order. ``save_state``/``restore_state`` give exact resume.
 """
 from __future__ import annotations
 
@@ -210,7 +210,6 @@ class DataClient:
                 t = t.pin_memory().to(self.device, non_blocking=True)
             return t
 
-        patches = tensor(packed.patches)
         dtype = getattr(torch, self.pixel_dtype)
         return {
             "tokens": tensor(packed.tokens),
@@ -218,7 +217,7 @@ class DataClient:
             "loss_mask": tensor(packed.loss_mask),
             "cu_seqlens": tensor(packed.cu_seqlens),
             "num_samples": tensor(packed.num_samples),
-            "pixel_values": to_pixel_values(patches, self._spec, dtype=dtype),
+            "pixel_values": to_pixel_values(tensor(packed.pixels), self._spec, packed.image_grid_thw, dtype=dtype),
             "image_grid_thw": tensor(packed.image_grid_thw),
             "sample_keys": list(packed.sample_keys),
         }

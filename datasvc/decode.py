@@ -1,8 +1,8 @@
-"""Image decode, resize to the pipeline's target size and patchify, with NVIDIA DALI on CPU or GPU.
+"""Image decode and resize to the pipeline's target size, with NVIDIA DALI on CPU or GPU.
 
 Stages: ``probe`` reads the header only (size, format, mode) so the pixel cap applies before any
-decode; a backend's ``to_patches`` decodes, resizes to the exact smart-resize target and returns
-uint8 patch rows in ``vision.patchify`` order.
+decode; a backend's ``to_pixel_rows`` decodes, resizes to the exact smart-resize target and returns
+the image's uint8 ``vision.pixel_rows``. Patch order is the consumer's job (``vision.to_pixel_values``).
 
 Why the CPU backend resizes with OpenCV: measured here on one core, DALI's CPU bicubic antialiased
 resize runs at 11-12 img/s on 1.7 MP photos while its decode runs at ~100; OpenCV's SIMD cubic
@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from datasvc.vision import ImageRejected, VisionSpec, normalize_into, patchify, repeat_frames, to_pixel_values
+from datasvc.vision import ImageRejected, VisionSpec, pixel_rows, to_pixel_values
 
 # Our own cap (VisionSpec.max_decode_pixels) is checked on the header; PIL's warning adds nothing.
 Image.MAX_IMAGE_PIXELS = None
@@ -85,9 +85,9 @@ Timer = Callable[[str, float, int], None]
 class Decoder(Protocol):
     name: str
 
-    def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
-                   timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        """uint8 patch rows [h*w, 3*P*P] (``vision.patchify`` order) per job, or why it failed."""
+    def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
+                      timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+        """The resized image's uint8 ``vision.pixel_rows`` [h*w, 3*P*P] per job, or why it failed."""
 
 
 def resize_uint8(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
@@ -173,13 +173,13 @@ class CpuDecoder:
                         results[i] = ImageRejected("corrupt_image", str(exc).splitlines()[0][:200])
         return results  # type: ignore[return-value]
 
-    def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
-                   timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+    def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
+                      timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
         t0 = time.perf_counter()
         full = self._decode_full(jobs)
         t1 = time.perf_counter()
         args = [(job, img, spec) for job, img in zip(jobs, full)]
-        # OpenCV and numpy release the GIL, so resize + patchify spread over the decode threads.
+        # OpenCV releases the GIL, so resizes spread over the decode threads.
         out = list(self._pool.map(lambda a: self._finish(*a), args)) if self._pool else [self._finish(*a) for a in args]
         if timer:
             timer("decode", t1 - t0, len(jobs))
@@ -192,7 +192,7 @@ class CpuDecoder:
             return img
         if img.shape[:2] != (job.header.height, job.header.width):
             return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header")
-        return patchify(resize_uint8(img, job.target_hw), spec)
+        return pixel_rows(resize_uint8(img, job.target_hw), spec)
 
 
 def _pil_or_reject(data: bytes) -> np.ndarray | ImageRejected:
@@ -246,19 +246,19 @@ class _Slot:
 
 
 class GpuDecoder:
-    """DALI ``mixed`` decode (hardware JPEG decoder, nvJPEG) and resize on the GPU, patchified there
-    too. ``to_patches`` copies uint8 patch rows to the host once per batch (one pinned copy);
+    """DALI ``mixed`` decode (hardware JPEG decoder, nvJPEG) and resize on the GPU.
+    ``to_pixel_rows`` copies uint8 pixel rows to the host once per batch (one pinned copy);
     ``to_pixel_values`` and ``stream_pixel_values`` keep everything on the GPU: one kernel per image
     patchifies, normalizes and casts straight into the batch's ``pixel_values``.
 
-    The DALI pipeline runs asynchronously and pipelined: decoding batch k+1 overlaps the patchify of
-    batch k. A call is one DALI epoch, so the pipeline fills and drains once per call;
+    The DALI pipeline runs asynchronously and pipelined: decoding batch k+1 overlaps the
+    normalizing of batch k. A call is one DALI epoch, so the pipeline fills and drains once per call;
     ``stream_pixel_values`` keeps one epoch over a whole stream of batches (how a training rank
     would consume micro-batches). Images the GPU decoder cannot take (CMYK, 16-bit, palette, alpha) and
     any batch DALI rejects go to the CPU backend, which isolates the bad image and names the reason.
 
     ``device_id=None`` runs the same pipeline with DALI's CPU operators and torch on the CPU: slow,
-    but it lets machines without a GPU test the batching, recovery and patch layout.
+    but it lets machines without a GPU test the batching, recovery and pixel layout.
     """
 
     name = "gpu"
@@ -300,7 +300,7 @@ class GpuDecoder:
                 cpu_finish: Callable, timer: Timer | None) -> Iterator[list]:
         """One DALI epoch over ``batches`` (pulled lazily, a chunk or two ahead of the consumer);
         yields per batch, in order, ``finish(dali_output, jobs)`` spread over its jobs, with the
-        CPU decoder's ``cpu_finish(patch_rows)`` for the jobs DALI cannot take or rejected."""
+        CPU decoder's ``cpu_finish(pixel_rows, job)`` for the jobs DALI cannot take or rejected."""
         in_flight: collections.deque[_Slot] = collections.deque()
 
         def chunks():
@@ -312,9 +312,9 @@ class GpuDecoder:
 
         def completed(slot: _Slot) -> list:
             if slot.cpu_idx:
-                rows = self._cpu.to_patches([slot.jobs[i] for i in slot.cpu_idx], spec, timer)
+                rows = self._cpu.to_pixel_rows([slot.jobs[i] for i in slot.cpu_idx], spec, timer)
                 for i, r in zip(slot.cpu_idx, rows):
-                    slot.results[i] = cpu_finish(r) if isinstance(r, np.ndarray) else r
+                    slot.results[i] = cpu_finish(r, slot.jobs[i]) if isinstance(r, np.ndarray) else r
             return slot.results
 
         with self._lock:
@@ -356,23 +356,24 @@ class GpuDecoder:
                     # prefetched chunks of this stream.
                     self._build()
 
-    def _patch_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> tuple:
-        """One DALI output batch -> the uint8 patch rows of all its images in one tensor on the
+    def _pixel_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> tuple:
+        """One DALI output batch -> the uint8 pixel rows of all its good images in one tensor on the
         decoder's device, and per image its (first, end) row span or why it was rejected."""
-        import torch
-
         pixels, shapes = self._pixels(out)
         offset, rows, parts, spans = 0, 0, [], []
         for job, (h, w, c) in zip(jobs, shapes):
             if (h, w) != job.target_hw:
                 spans.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
             else:
-                parts.append(patchify(pixels[offset:offset + h * w * c].view(h, w, c), spec))
+                parts.append(pixels[offset:offset + h * w * c].view(-1, spec.patch_dim))
                 spans.append((rows, rows + len(parts[-1])))
                 rows += len(parts[-1])
             offset += h * w * c
-        patches = torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))
-        return patches, spans
+        if len(parts) == len(jobs):  # the usual case: the batch's pixels are already its rows
+            return pixels.view(-1, spec.patch_dim), spans
+        import torch
+
+        return (torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))), spans
 
     def _pixels(self, out) -> tuple:
         """A DALI output batch copied into one flat uint8 tensor on the decoder's device, and the
@@ -391,57 +392,38 @@ class GpuDecoder:
 
     def _pixel_value_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec, dtype) -> list:
         """One DALI output batch -> ``pixel_values`` of each image, views into one tensor for the
-        batch. Each image costs one kernel: its patchify permutation is read in place and written,
-        normalized and cast, into frame 0 of its rows; one copy per batch fills the other frames."""
+        batch (``vision.to_pixel_values``: one kernel per image, one copy for the other frames)."""
+        rows, spans = self._pixel_rows(out, jobs, spec)
+        grids = [_grid(job, spec) for job, s in zip(jobs, spans) if not isinstance(s, ImageRejected)]
+        values = to_pixel_values(rows, spec, grids, dtype)
+        return [s if isinstance(s, ImageRejected) else values[s[0]:s[1]] for s in spans]
+
+    def _host_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
         import torch
 
-        pixels, shapes = self._pixels(out)
-        p, m, pp, frames = spec.patch_size, spec.merge_size, spec.patch_size ** 2, spec.temporal_patch_size
-        ok = [(h, w) == job.target_hw for job, (h, w, _) in zip(jobs, shapes)]
-        total = sum(h * w // pp for (h, w, _), good in zip(shapes, ok) if good)
-        values = torch.empty((total, 3, frames, pp), dtype=dtype, device=self._torch_device)
-        offset, rows, results = 0, 0, []
-        for job, (h, w, c), good in zip(jobs, shapes, ok):
-            if not good:
-                results.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
-            else:
-                n = h * w // pp
-                gh, gw = h // p, w // p
-                image = pixels[offset:offset + h * w * c].view(gh // m, m, p, gw // m, m, p, c)
-                frame0 = values[rows:rows + n, :, 0].view(gh // m, gw // m, m, m, c, p, p)
-                normalize_into(frame0, image.permute(0, 3, 1, 4, 6, 2, 5), spec, channel_dim=4)
-                results.append(values[rows:rows + n].view(n, spec.pixel_values_dim))
-                rows += n
-            offset += h * w * c
-        repeat_frames(values, spec)
-        return results
-
-    def _host_patches(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
-        import torch
-
-        patches, spans = self._patch_rows(out, jobs, spec)
-        if patches.is_cuda:
+        rows, spans = self._pixel_rows(out, jobs, spec)
+        if rows.is_cuda:
             # A fresh pinned block per batch, not one reused staging buffer plus a pageable copy: torch
             # caches freed pinned blocks, so once a caller (an actor handing rows to Ray) drops a batch
             # its block comes back without a new pinning. Measured on the H200: 771 img/s to host and
             # 1,960 on to GPU pixel_values this way, 688 and 472 with the staging buffer.
-            host = torch.empty(patches.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(patches, non_blocking=True)
+            host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
             torch.cuda.current_stream(self._torch_device).synchronize()
-            patches = host
-        rows = patches.numpy()
-        return [s if isinstance(s, ImageRejected) else rows[s[0]:s[1]] for s in spans]
+            rows = host
+        array = rows.numpy()
+        return [s if isinstance(s, ImageRejected) else array[s[0]:s[1]] for s in spans]
 
-    def to_patches(self, jobs: list[DecodeJob], spec: VisionSpec,
-                   timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        stream = self._stream([jobs], spec, lambda out, batch: self._host_patches(out, batch, spec),
-                              lambda rows: rows, timer)
+    def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
+                      timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+        stream = self._stream([jobs], spec, lambda out, batch: self._host_rows(out, batch, spec),
+                              lambda rows, job: rows, timer)
         return [r for batch in stream for r in batch]
 
     def to_pixel_values(self, jobs: list[DecodeJob], spec: VisionSpec, dtype=None,
                         timer: Timer | None = None) -> list:
         """Normalized ``pixel_values`` [h*w, spec.pixel_values_dim] per job (``vision.to_pixel_values``
-        of its patch rows), on the decoder's device, or why it failed; ``dtype`` None is bfloat16.
+        of its pixel rows), on the decoder's device, or why it failed; ``dtype`` None is bfloat16.
 
         Nothing goes through the host but the encoded bytes. An image's tensor is a view of its
         DALI batch's: keeping one keeps the batch's memory.
@@ -457,8 +439,15 @@ class GpuDecoder:
 
         dtype = torch.bfloat16 if dtype is None else dtype
         return self._stream(batches, spec, lambda out, batch: self._pixel_value_rows(out, batch, spec, dtype),
-                            lambda rows: to_pixel_values(torch.from_numpy(rows).to(self._torch_device), spec, dtype),
+                            lambda rows, job: to_pixel_values(torch.from_numpy(rows).to(self._torch_device), spec,
+                                                              [_grid(job, spec)], dtype),
                             timer)
+
+
+def _grid(job: DecodeJob, spec: VisionSpec) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of a job's resized image."""
+    th, tw = job.target_hw
+    return 1, th // spec.patch_size, tw // spec.patch_size
 
 
 def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int = 0) -> Decoder:

@@ -97,7 +97,7 @@ def inspect_shards(shards: list[str], out_dir: str, pipeline_name: str = "qwen3v
                 fname = f"{name}.npz"
                 if write_samples:
                     np.savez(os.path.join(out_dir, fname),
-                             pixel_values=to_pixel_values(s.patches, spec),
+                             pixel_values=to_pixel_values(s.pixels, spec, s.image_grid_thw),
                              image_grid_thw=np.asarray(s.image_grid_thw, np.int64).reshape(-1, 3),
                              input_ids=np.asarray(s.input_ids, np.int64),
                              labels=np.asarray(s.labels, np.int64),
@@ -125,7 +125,7 @@ def inspect_shards(shards: list[str], out_dir: str, pipeline_name: str = "qwen3v
             fname = f"packed-{i:05d}.npz"
             np.savez(os.path.join(out_dir, fname), tokens=b.tokens, labels=b.labels, loss_mask=b.loss_mask,
                      cu_seqlens=b.cu_seqlens, num_samples=b.num_samples,
-                     pixel_values=to_pixel_values(b.patches, spec), image_grid_thw=b.image_grid_thw,
+                     pixel_values=to_pixel_values(b.pixels, spec, b.image_grid_thw), image_grid_thw=b.image_grid_thw,
                      sample_keys=np.array(b.sample_keys, dtype=str),
                      sample_rows=b.sample_rows if b.sample_rows is not None else np.zeros(0, np.int32))
             files.append(fname)

@@ -67,7 +67,7 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
     labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
     cu = np.zeros((B, k + 1), dtype=np.int32)
     num = np.zeros(B, dtype=np.int32)
-    keys, sample_rows, patches, grids = [], [], [], []
+    keys, sample_rows, pixels, grids = [], [], [], []
     for r, row in enumerate(rows):
         pos = 0
         for j, s in enumerate(row):
@@ -78,14 +78,14 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
             cu[r, j + 1] = pos
             keys.append(f"{s.shard}/{s.key}")
             sample_rows.append(r)
-            patches.append(s.patches)
+            pixels.append(s.pixels)
             grids.append(s.image_grid_thw)
         cu[r, len(row) + 1:] = pos
         num[r] = len(row)
     return PackedBatch(
         tokens=tokens, labels=labels, loss_mask=(labels != IGNORE_INDEX).astype(np.float32),
         cu_seqlens=cu, num_samples=num,
-        patches=np.concatenate(patches) if patches else np.zeros((0, patch_dim), np.uint8),
+        pixels=np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), np.uint8),
         image_grid_thw=np.concatenate(grids) if grids else np.zeros((0, 3), np.int64),
         sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32))
 

@@ -110,8 +110,8 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
         except SampleRejected as exc:
             acct.reject(raw.shard, raw.key, exc.reason, exc.detail)
             continue
-        patches = np.concatenate([p for p, _ in parts]) if parts else np.zeros((0, spec.patch_dim), np.uint8)
-        encoded.append(EncodedSample(raw.key, raw.shard, input_ids, labels, patches,
+        pixels = np.concatenate([p for p, _ in parts]) if parts else np.zeros((0, spec.patch_dim), np.uint8)
+        encoded.append(EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
                                      np.asarray(grids, dtype=np.int64).reshape(-1, 3)))
         n_images += len(parts)
         mp += sum(p.shape[0] for p, _ in parts) * spec.patch_size**2 / 1e6
@@ -136,7 +136,7 @@ def encode_from_headers(raw, pipeline: Pipeline) -> tuple[np.ndarray, np.ndarray
 
 def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
                       times: StageTimes | None = None) -> list[tuple[np.ndarray, tuple] | ImageRejected]:
-    """Encoded images -> (uint8 patches, grid) each, or the reason one was rejected.
+    """Encoded images -> (uint8 ``vision.pixel_rows``, grid) each, or the reason one was rejected.
 
     Every header is probed first, so the pixel cap and the aspect rule apply before any decode.
     """
@@ -152,12 +152,12 @@ def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
     timer = times.add if times is not None else None
     if timer:
         timer("decode", time.perf_counter() - t0, 0)
-    patches = iter(decoder.to_patches(jobs, spec, timer) if jobs else [])
+    rows = iter(decoder.to_pixel_rows(jobs, spec, timer) if jobs else [])
     job_iter = iter(jobs)
     for i, o in enumerate(out):
         if o is not None:
             continue
-        job, p = next(job_iter), next(patches)
+        job, p = next(job_iter), next(rows)
         th, tw = job.target_hw
         out[i] = p if isinstance(p, ImageRejected) else (p, (1, th // spec.patch_size, tw // spec.patch_size))
     return out

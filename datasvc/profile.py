@@ -123,7 +123,7 @@ def _tally_batch(batch, model=None) -> _Tally:
     vt = patches // 4
     real = batch.real_tokens
     t = _Tally(samples=len(batch.sample_keys), batches=1, images=len(grids),
-               megapixels=batch.patches.shape[0] * 256 / 1e6, text_tokens=real - vt, vision_tokens=vt,
+               megapixels=batch.pixels.shape[0] * 256 / 1e6, text_tokens=real - vt, vision_tokens=vt,
                real_tokens=real, row_tokens=int(batch.tokens.size))
     if model is not None:
         from datasvc.flops import batch_shape_flops
@@ -729,7 +729,7 @@ def image_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
     """Decode + preprocess cost of each source, in this process, in CPU seconds.
 
     A contention-robust companion to the service run: every shard's images go through the same
-    decoder and ``patchify`` as in the actors (``datasvc.process.preprocess_images``), timed with
+    decoder and resize as in the actors (``datasvc.process.preprocess_images``), timed with
     the process CPU clock (DALI's worker threads included), sources interleaved in each round, and
     the cheapest of ``repeat`` rounds kept per sample (a burst of load elsewhere spoils one sample's
     timing in one round, not a whole source's). Also counts vision tokens per sample exactly.

@@ -130,7 +130,7 @@ def test_hostile_shard_is_counted_not_crashed(hostile_shard, qwen3vl, cpu_decode
     for s in res.samples:
         pads = int((s.input_ids == 151655).sum())
         assert pads == int(s.image_grid_thw.prod(axis=1).sum()) // 4
-        assert s.patches.shape == (int(s.image_grid_thw.prod(axis=1).sum()), 768)
+        assert s.pixels.shape == (int(s.image_grid_thw.prod(axis=1).sum()), 768)
 
 
 def test_truncated_tar(tmp_path, photo_shards, qwen3vl, cpu_decoder):

@@ -1,4 +1,4 @@
-"""The GPU decoder's batching, recovery and patch layout, run with DALI's CPU operators
+"""The GPU decoder's batching, recovery and pixel layout, run with DALI's CPU operators
 (``device_id=None``) so that they are checked on machines without a GPU. The GPU run itself is
 measured by ``python -m trainer.bench --gpu-decode``."""
 import io
@@ -43,8 +43,9 @@ def jobs_for(blobs: list[bytes]) -> list[DecodeJob]:
     return [DecodeJob(b, h, SPEC.target_size(h.height, h.width)) for b, h in zip(blobs, headers)]
 
 
-def normalized(patches: np.ndarray, dtype=torch.bfloat16) -> torch.Tensor:
-    return to_pixel_values(torch.from_numpy(patches), SPEC, dtype)
+def normalized(rows: np.ndarray, job: DecodeJob, dtype=torch.bfloat16) -> torch.Tensor:
+    th, tw = job.target_hw
+    return to_pixel_values(torch.from_numpy(rows), SPEC, [(1, th // SPEC.patch_size, tw // SPEC.patch_size)], dtype)
 
 
 def test_patches_match_cpu_backend(blobs, decoders):
@@ -53,8 +54,8 @@ def test_patches_match_cpu_backend(blobs, decoders):
     assert len(ours) == len(blobs)
     for (p, grid), (q, ref_grid) in zip(ours, ref):
         assert grid == ref_grid and p.shape == q.shape and p.dtype == np.uint8
-        # Different resize kernels (DALI cubic vs OpenCV area/cubic), same layout: a transposed
-        # patch order would differ by tens of levels, not a few.
+        # Different resize kernels (DALI cubic vs OpenCV area/cubic), same layout: another pixel
+        # order would differ by tens of levels, not a few.
         assert np.abs(p.astype(np.float32) - q).mean() < 4.0
 
 
@@ -81,14 +82,14 @@ def test_stage_times_reported(blobs, decoders):
     assert times.counts["decode"] == 5 and times.seconds["decode"] > 0
 
 
-def test_pixel_values_equal_normalized_patches(blobs, decoders):
+def test_pixel_values_equal_normalized_pixel_rows(blobs, decoders):
     gpu, _ = decoders
     jobs = jobs_for(blobs[:6])  # a full batch and a partial one
-    ours, patches = gpu.to_pixel_values(jobs, SPEC), gpu.to_patches(jobs, SPEC)
+    ours, rows = gpu.to_pixel_values(jobs, SPEC), gpu.to_pixel_rows(jobs, SPEC)
     assert len(ours) == len(jobs)
-    for values, p in zip(ours, patches):
+    for values, r, job in zip(ours, rows, jobs):
         assert values.dtype == torch.bfloat16 and values.device.type == "cpu"
-        assert torch.equal(values, normalized(p))
+        assert torch.equal(values, normalized(r, job))
 
 
 def test_pixel_values_in_job_order_with_fallbacks(blobs, decoders):
@@ -101,15 +102,15 @@ def test_pixel_values_in_job_order_with_fallbacks(blobs, decoders):
     assert isinstance(ours[corrupt], ImageRejected) and ours[corrupt].reason == "corrupt_image"
     assert ours[corrupt].detail
     for i in pil_needed:
-        assert torch.equal(ours[i], normalized(cpu.to_patches([jobs[i]], SPEC)[0], torch.float32))
-    patches = gpu.to_patches(jobs, SPEC)
+        assert torch.equal(ours[i], normalized(cpu.to_pixel_rows([jobs[i]], SPEC)[0], jobs[i], torch.float32))
+    rows = gpu.to_pixel_rows(jobs, SPEC)
     for i, job in enumerate(jobs):
         if i == corrupt:
             continue
-        assert torch.equal(ours[i], normalized(patches[i], torch.float32))
+        assert torch.equal(ours[i], normalized(rows[i], job, torch.float32))
         # Each image decoded alone cannot be misplaced. The corrupt image's batch-mates were redone by
         # the CPU decoder (another resize kernel): a few levels off, where another photo is tens off.
-        alone = normalized(gpu.to_patches([job], SPEC)[0], torch.float32)
+        alone = normalized(gpu.to_pixel_rows([job], SPEC)[0], job, torch.float32)
         assert ours[i].shape == alone.shape
         assert (ours[i] - alone).abs().mean() < 4 / 127.5
 
@@ -146,7 +147,8 @@ def test_stream_pulls_lazily_and_can_be_abandoned(blobs, decoders):
     assert len(first) == 2
     assert len(pulled) <= 1 + gpu.prefetch + 1  # the batch returned plus DALI's prefetch, not all 50
     stream.close()  # the pipeline held prefetched chunks of this stream: the next call must not see them
-    again = gpu.to_pixel_values(jobs_for(blobs[4:7]), SPEC)
+    jobs = jobs_for(blobs[4:7])
+    again = gpu.to_pixel_values(jobs, SPEC)
     assert len(again) == 3
-    for values, p in zip(again, gpu.to_patches(jobs_for(blobs[4:7]), SPEC)):
-        assert torch.equal(values, normalized(p))
+    for values, r, job in zip(again, gpu.to_pixel_rows(jobs, SPEC), jobs):
+        assert torch.equal(values, normalized(r, job))

@@ -1,5 +1,6 @@
-"""Our CPU path (DALI decode, OpenCV resize, uint8 patchify, late normalize) against transformers'
-own Qwen2VLImageProcessor at Qwen3-VL settings, on real photographs and odd sizes."""
+"""Our CPU path (DALI decode, OpenCV resize, uint8 pixel rows, patch order and normalize late)
+against transformers' own Qwen2VLImageProcessor at Qwen3-VL settings, on real photographs and odd
+sizes."""
 import io
 
 import numpy as np
@@ -24,8 +25,8 @@ def ours(data: bytes, spec, decoder):
     (res,) = preprocess_images([data], spec, decoder)
     if isinstance(res, ImageRejected):
         raise res
-    patches, grid = res
-    return to_pixel_values(patches, spec), np.asarray(grid)
+    rows, grid = res
+    return to_pixel_values(rows, spec, [grid]), np.asarray(grid)
 
 
 def reference(data: bytes, spec):
@@ -126,3 +127,33 @@ def test_aspect_ratio_over_200_rejected():
     with pytest.raises(ImageRejected) as e:
         VisionSpec().target_size(10, 2010)
     assert e.value.reason == "aspect_ratio"
+
+
+def test_pixel_rows_become_hf_pixel_values_on_numpy_and_torch():
+    """The rows that travel are raster order; ``to_pixel_values`` alone puts them in the HF
+    processor's patch order, the same on numpy (the CPU rank) and torch (the GPU rank)."""
+    import torch
+
+    from datasvc.vision import pixel_rows
+
+    spec = VisionSpec(min_pixels=32 * 32, max_pixels=512 * 512)
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, hw + (3,), dtype=np.uint8) for hw in [(64, 96), (128, 32), (32, 32)]]
+    rows = np.concatenate([pixel_rows(img, spec) for img in images])
+    grids = np.array([[1, h // 16, w // 16] for h, w, _ in (img.shape for img in images)])
+    ref = hf_processor(spec)(images=[Image.fromarray(img) for img in images], return_tensors="np")
+    assert np.array_equal(np.asarray(ref["image_grid_thw"]), grids)  # already at their target size
+
+    ours_np = to_pixel_values(rows, spec, grids)
+    assert ours_np.dtype == np.float32 and ours_np.shape == (len(rows), 1536)
+    np.testing.assert_allclose(ours_np, np.asarray(ref["pixel_values"], np.float32), atol=1e-5)
+    ours_torch = to_pixel_values(torch.from_numpy(rows), spec, grids, torch.float32)
+    np.testing.assert_allclose(ours_torch.numpy(), ours_np, atol=1e-6)
+
+    # Per-channel statistics take the per-channel lookup tables; both paths still agree.
+    odd = VisionSpec(min_pixels=32 * 32, max_pixels=512 * 512, image_mean=(0.48, 0.45, 0.41),
+                     image_std=(0.27, 0.26, 0.28))
+    np.testing.assert_allclose(to_pixel_values(rows, odd, grids),
+                               to_pixel_values(torch.from_numpy(rows), odd, grids, torch.float32).numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="covers"):
+        to_pixel_values(rows, spec, grids[:2])

@@ -125,7 +125,7 @@ def test_demand_from_a_model_preset():
     tokens = np.zeros((1, seq), np.int64)
     batch = PackedBatch(tokens=tokens, labels=tokens, loss_mask=np.ones((1, seq), np.float32),
                         cu_seqlens=np.array([[0, 2048, 4096]], np.int32), num_samples=np.array([2], np.int32),
-                        patches=np.zeros((2048, 768), np.uint8), image_grid_thw=np.array([[1, 32, 32], [1, 32, 32]]))
+                        pixels=np.zeros((2048, 768), np.uint8), image_grid_thw=np.array([[1, 32, 32], [1, 32, 32]]))
     m = PRESETS["qwen3vl-30b-a3b"]
     f = batch_shape_flops(m, batch)
     assert f["vision"] > 0 and f["text"] > 6 * m.active_params * seq

@@ -66,7 +66,7 @@ def test_dp_replicas_identical_and_disjoint(photo_shards, service, chain_blocks)
         assert len(a) == len(b) > 0
         for x, y in zip(a, b):
             assert x.sample_keys == y.sample_keys
-            assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.patches, y.patches)
+            assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.pixels, y.pixels)
     keys0 = Counter(k for b in got[(0, 0)] for k in b.sample_keys)
     keys1 = Counter(k for b in got[(1, 0)] for k in b.sample_keys)
     assert not set(keys0) & set(keys1)

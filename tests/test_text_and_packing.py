@@ -62,7 +62,7 @@ def test_packing_keeps_samples_whole_and_skips_too_long():
         assert b.tokens.shape == (4, 1024)
         spans = b.sample_spans()
         assert [e - s for _, s, e in spans] == [lengths[k] for k in b.sample_keys]
-        assert b.patches.shape[0] == int(b.image_grid_thw.prod(axis=1).sum())
+        assert b.pixels.shape[0] == int(b.image_grid_thw.prod(axis=1).sum())
         assert (b.loss_mask == (b.labels != IGNORE_INDEX)).all()
     eff = sum(b.real_tokens for b in batches) / sum(b.tokens.size for b in batches)
     assert eff > 0.9 > 2 * padding_efficiency(samples, 1024) - 0.1
@@ -72,7 +72,7 @@ def test_packing_balances_vision_patches_across_micro_batches():
     rng = np.random.default_rng(1)
     samples = [_sample(200, 4 * int(rng.integers(1, 400)), f"k{i}") for i in range(160)]
     batches, _ = pack(samples, PackingConfig(seq_len=1000, micro_batch_size=2, pad_id=0), 768)
-    loads = np.array([b.patches.shape[0] for b in batches])
+    loads = np.array([b.pixels.shape[0] for b in batches])
     assert loads.max() / loads.mean() < 1.15
 
 

@@ -45,13 +45,13 @@ def test_split_samples_restores_each_sample(photo_shards, qwen3vl, cpu_decoder):
     for b in batches:
         t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
              ("tokens", "labels", "cu_seqlens", "num_samples", "image_grid_thw")}
-        t["pixel_values"] = torch.from_numpy(to_pixel_values(b.patches, qwen3vl.vision))
+        t["pixel_values"] = torch.from_numpy(to_pixel_values(b.pixels, qwen3vl.vision, b.image_grid_thw))
         parts = split_samples(t)
         assert len(parts) == len(b.sample_keys)
         for part, key in zip(parts, b.sample_keys):
             s = by_key[key]
             assert part["input_ids"].tolist() == s.input_ids.tolist()
-            assert np.allclose(part["pixel_values"].numpy(), to_pixel_values(s.patches, qwen3vl.vision))
+            assert np.allclose(part["pixel_values"].numpy(), to_pixel_values(s.pixels, qwen3vl.vision, s.image_grid_thw))
             assert part["image_grid_thw"].tolist() == s.image_grid_thw.tolist()
 
 

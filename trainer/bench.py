@@ -110,9 +110,10 @@ GROUPS = {
 
 
 def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
-    """Bytes -> uint8 patch rows in host memory (what the service ships) and -> bf16 ``pixel_values``
+    """Bytes -> uint8 pixel rows in host memory (what the service ships) and -> bf16 ``pixel_values``
     on the GPU, for DALI GPU, DALI CPU on every host core and torchvision nvJPEG, same 1-2 MP JPEGs;
-    decode alone for DALI and torchvision, to see what resize, patchify and copies add."""
+    decode alone for DALI and torchvision, to see what resize, patch order and copies add. (Result
+    names say ``patches`` for the rows shipped to the host, as in the sessions 2-4 results.)"""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -120,7 +121,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     from datasvc.bench import photo_set
     from datasvc.decode import CpuDecoder, DecodeJob, GpuDecoder, probe
-    from datasvc.vision import VisionSpec, _normalization, patchify, to_pixel_values
+    from datasvc.vision import VisionSpec, pixel_rows, to_pixel_values
 
     spec = VisionSpec(max_pixels=16777216)
     photos = photo_set(n_images, min_mp=1.0, max_mp=2.0)
@@ -151,10 +152,13 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         ra, rb = res[a].get("img_s"), res[b].get("img_s")
         return round(ra / rb, 3) if ra and rb else None
 
-    def to_gpu_pixel_values(patch_list):
-        rows = [to_pixel_values(torch.from_numpy(p).cuda(non_blocking=True), spec, torch.bfloat16) for p in patch_list]
+    grids = [spec.grid(j.header.height, j.header.width) for j in jobs]
+
+    def to_gpu_pixel_values(rows_per_image):
+        values = [to_pixel_values(r if torch.is_tensor(r) else torch.from_numpy(r).cuda(non_blocking=True),
+                                  spec, [grid], torch.bfloat16) for r, grid in zip(rows_per_image, grids)]
         torch.cuda.synchronize()
-        return rows
+        return values
 
     def synchronized(result):
         torch.cuda.synchronize()
@@ -162,15 +166,15 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     data = [torch.frombuffer(bytearray(j.data), dtype=torch.uint8) for j in jobs]
 
-    def torchvision_patches(host: bool):
-        """nvJPEG batched decode, bicubic antialiased resize and patchify in torch, all on the GPU."""
+    def torchvision_rows(host: bool):
+        """nvJPEG batched decode and bicubic antialiased resize in torch, on the GPU, to pixel rows."""
         out = []
         for i in range(0, len(data), batch):
             images = torchvision.io.decode_jpeg(data[i:i + batch], device="cuda", mode=torchvision.io.ImageReadMode.RGB)
             for img, job in zip(images, jobs[i:i + batch]):
                 x = F.interpolate(img[None].float(), size=job.target_hw, mode="bicubic", antialias=True)
                 x = x.round_().clamp_(0, 255).to(torch.uint8)[0]  # [3, th, tw]
-                out.append(patchify(x.permute(1, 2, 0), spec))
+                out.append(pixel_rows(x.permute(1, 2, 0).contiguous(), spec))
         if host:
             out = [torch.empty(t.shape, dtype=torch.uint8, pin_memory=True).copy_(t, non_blocking=True) for t in out]
         torch.cuda.synchronize()
@@ -178,24 +182,9 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     gpu = GpuDecoder(device_id=0, num_threads=4, max_batch=batch)
     cpu = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch)
-    g = timed("dali_gpu_to_host_patches", lambda: gpu.to_patches(jobs, spec))
-    timed("dali_gpu_to_gpu_pixel_values", lambda: to_gpu_pixel_values(gpu.to_patches(jobs, spec)))
+    g = timed("dali_gpu_to_host_patches", lambda: gpu.to_pixel_rows(jobs, spec))
+    timed("dali_gpu_to_gpu_pixel_values", lambda: to_gpu_pixel_values(gpu.to_pixel_rows(jobs, spec)))
     timed("dali_gpu_resident_pixel_values", lambda: synchronized(gpu.to_pixel_values(jobs, spec)))
-
-    def unfused_pixel_values(out, batch):
-        """Session 3's resident path, the same-run baseline for the fused kernel: patch rows
-        concatenated, then normalized through float32 intermediates and repeated."""
-        patches, spans = gpu._patch_rows(out, batch, spec)
-        n, pp = patches.shape[0], spec.patch_size ** 2
-        scale, shift = (torch.as_tensor(c, device=patches.device) for c in _normalization(spec))
-        x = (patches.reshape(n, 3, 1, pp).float() * scale - shift).to(torch.bfloat16)
-        values = x.expand(n, 3, spec.temporal_patch_size, pp).reshape(n, spec.pixel_values_dim)
-        return [s if not isinstance(s, tuple) else values[s[0]:s[1]] for s in spans]
-
-    timed("dali_gpu_resident_unfused_pixel_values",
-          lambda: synchronized(list(gpu._stream(
-              [jobs], spec, unfused_pixel_values,
-              lambda rows: to_pixel_values(torch.from_numpy(rows).cuda(), spec, torch.bfloat16), None))))
 
     def streamed(decoder, per_batch: int, rounds: int = 4):
         """What a rank sees: batches of ``per_batch`` images in one stream, each dropped once used."""
@@ -213,10 +202,9 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         timed(f"dali_gpu_stream_pixel_values_{name}", lambda: streamed(variant, variant.max_batch),
               images=4 * len(jobs))
         del variant
-    c = timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_patches(jobs, spec), repeats=2)
-    timed("torchvision_nvjpeg_to_host_patches", lambda: torchvision_patches(host=True))
-    timed("torchvision_nvjpeg_to_gpu_pixel_values",
-          lambda: [to_pixel_values(t, spec, torch.bfloat16) for t in torchvision_patches(host=False)])
+    c = timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_pixel_rows(jobs, spec), repeats=2)
+    timed("torchvision_nvjpeg_to_host_patches", lambda: torchvision_rows(host=True))
+    timed("torchvision_nvjpeg_to_gpu_pixel_values", lambda: to_gpu_pixel_values(torchvision_rows(host=False)))
 
     @functools.cache
     def dali_decode_pipeline():
@@ -254,10 +242,9 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5) if mads else None
     for name in ("to_host_patches", "to_gpu_pixel_values"):
         res[f"dali_gpu_vs_torchvision_{name}"] = ratio(f"dali_gpu_{name}", f"torchvision_nvjpeg_{name}")
-    for path in ("resident", "resident_unfused", "stream"):
+    for path in ("resident", "stream"):
         res[f"dali_gpu_{path}_vs_torchvision_to_gpu_pixel_values"] = ratio(f"dali_gpu_{path}_pixel_values",
                                                                           "torchvision_nvjpeg_to_gpu_pixel_values")
-    res["fused_vs_unfused_resident"] = ratio("dali_gpu_resident_pixel_values", "dali_gpu_resident_unfused_pixel_values")
     res["dali_gpu_vs_dali_cpu_to_host_patches"] = ratio("dali_gpu_to_host_patches", "dali_cpu_all_cores_to_host_patches")
     print("[bench] gpu decode:", json.dumps(res), flush=True)
     with open(os.path.join(out, "gpu_decode.json"), "w") as f:
