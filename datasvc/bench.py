@@ -176,6 +176,25 @@ def _time_passes(fn, photos: list[Photo], repeats: int) -> float:
     return best
 
 
+def paired_cpu_ratio(fast, slow, photos: list[Photo], rounds: int = 7) -> dict:
+    """Process CPU seconds of ``fast`` and ``slow`` over the photos, alternated for ``rounds`` rounds
+    (which goes first alternates too), so load from elsewhere lands on both alike; per-round
+    ``slow / fast`` ratios, their median and range."""
+    fast(photos[:2])
+    slow(photos[:2])
+    secs: dict = {fast: [], slow: []}
+    for r in range(rounds):
+        for fn in ((fast, slow) if r % 2 == 0 else (slow, fast)):
+            t0 = time.process_time()
+            fn(photos)
+            secs[fn].append(time.process_time() - t0)
+    ratios = [b / a for a, b in zip(secs[fast], secs[slow])]
+    return {"rounds": rounds, "fast_cpu_s_median": round(float(np.median(secs[fast])), 4),
+            "slow_cpu_s_median": round(float(np.median(secs[slow])), 4),
+            "ratio_median": round(float(np.median(ratios)), 3),
+            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)}
+
+
 def _torchvision_decode(photos):
     import torch
     from torchvision.io import decode_jpeg
@@ -423,6 +442,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         "met_vs_hf": ratios["ours_pixel_values"]["vs_fastest_hf"] >= GOAL_VS_HF,
     }
     prof = profile_ours(photos, spec, decoder)
+    actors = paired_cpu_ratio(runs["ours_uint8_pixel_rows"][1], runs["baseline_uint8_patch_order"][1], photos)
     packing = packing_bench(pack_synth, max_pixels, photo_copies=pack_copies) if pack_synth >= 0 else {}
     mps = [p.megapixels for p in photos]
     return {
@@ -442,6 +462,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         "ratios": ratios,
         "goals": goals,
         "profile_ours": prof,
+        "actors_patch_order_over_pixel_rows": actors,
         "packing": packing,
     }
 
@@ -465,8 +486,9 @@ def print_decode(rep: dict) -> None:
     print("profile of ours (pixel_values), share of time: " +
           ", ".join(f"{k} {v['share'] * 100:.0f}% ({v['seconds']:.3f}s)" for k, v in rep["profile_ours"].items()
               if "share" in v))
-    base, rows = (rep["results"][k]["images_per_s"] for k in ("baseline_uint8_patch_order", "ours_uint8_pixel_rows"))
-    print(f"the actors' work per core, pixel rows over patch order in the actor: {rows / base:.2f}x")
+    a = rep["actors_patch_order_over_pixel_rows"]
+    print(f"the actors' CPU time per image, patch order in the actor over pixel rows: {a['ratio_median']:.2f}x "
+          f"(median of {a['rounds']} alternated rounds, range {a['ratio_min']:.2f}-{a['ratio_max']:.2f})")
     pk = rep.get("packing") or {}
     if pk:
         print(f"\npacking ({pk['sources']}, max_pixels={pk['max_pixels']}, "

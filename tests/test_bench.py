@@ -44,6 +44,9 @@ def test_bench_decode_tiny(tmp_path):
     prof = rep["profile_ours"]
     assert set(prof) == {"probe", "decode", "resize", "to_pixel_values"}
     assert abs(sum(v["share"] for v in prof.values()) - 1.0) < 0.01
+    actors = rep["actors_patch_order_over_pixel_rows"]
+    assert actors["rounds"] == 7 and actors["ratio_min"] <= actors["ratio_median"] <= actors["ratio_max"]
+    assert positive(actors["fast_cpu_s_median"]) and positive(actors["slow_cpu_s_median"])
     for seq_len in ("4096", "8192"):
         pk = rep["packing"][seq_len]
         assert 0 < pk["padding_efficiency"] < pk["packing_efficiency"] <= 1
