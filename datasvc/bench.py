@@ -467,6 +467,43 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
     }
 
 
+def plot_decode(rep: dict, path: str) -> None:
+    """Images/s per contender against the goals, and where our path's time goes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"a": "tab:gray", "b": "tab:orange", "c": "tab:green", "c-": "tab:olive"}
+    names = list(rep["results"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    ax.barh(names, [rep["results"][n]["images_per_s"] for n in names],
+            color=[colours.get(rep["results"][n]["group"], "tab:blue") for n in names])
+    ax.invert_yaxis()
+    goals = rep["goals"]
+    fastest_a = rep["results"][rep["fastest_decode"]]["images_per_s"]
+    fastest_b = rep["results"][rep["fastest_hf"]]["images_per_s"]
+    ax.axvline(goals["vs_fastest_decode"] * fastest_a, ls="--", c="k", lw=1,
+               label=f"goal: {goals['vs_fastest_decode']}x fastest decode")
+    ax.axvline(goals["vs_fastest_hf"] * fastest_b, ls=":", c="tab:red", lw=1,
+               label=f"goal: {goals['vs_fastest_hf']:g}x fastest HF")
+    ax.set_xlabel("images/s, one core")
+    ax.set_title(f"{rep['photos']['count']} JPEGs, {rep['photos']['megapixels_min']}-"
+                 f"{rep['photos']['megapixels_max']} MP: (a) decode, (b) HF, (c) ours", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    prof = rep["profile_ours"]
+    left = 0.0
+    for stage, v in prof.items():
+        bx.barh(["ours to\npixel_values"], [v["seconds"]], left=left, label=stage)
+        left += v["seconds"]
+    bx.set_xlabel("seconds for all images, one core")
+    bx.set_title("our path by stage (the rank does to_pixel_values)", fontsize=10)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def print_decode(rep: dict) -> None:
     ph = rep["photos"]
     print(f"\n{ph['count']} JPEG photos, {ph['megapixels_min']}-{ph['megapixels_max']} MP "
@@ -738,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="synthetic web-photo samples added to the photo shards for packing (-1: no packing)")
     d.add_argument("--pack-copies", type=int, default=2, help="copies of the real-photo shards for packing")
     d.add_argument("--skip-hf-pil", action="store_true", help="skip the slow PIL-backend HF processor")
-    d.add_argument("--out", default="bench-decode.json")
+    d.add_argument("--out", default="bench-decode.json", help="JSON; a PNG of the same name goes beside it")
     s = sub.add_parser("service", help="Ray-streamed throughput vs actors, and vs in-process")
     s.add_argument("--max-actors", type=int, default=None, help="default: the CPU count")
     s.add_argument("--samples", type=int, default=200)
@@ -777,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
                            synth=args.synth, repeats=args.repeats, pack_synth=args.pack_synth,
                            skip_hf_pil=args.skip_hf_pil, mp_range=tuple(args.mp_range), pack_copies=args.pack_copies)
         print_decode(rep)
+        plot_decode(rep, os.path.splitext(args.out)[0] + ".png")
+        print(f"wrote {os.path.splitext(args.out)[0]}.png")
     else:
         rep = bench_service(max_actors=args.max_actors, samples=args.samples, seq_len=args.seq_len,
                             max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,

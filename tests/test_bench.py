@@ -52,6 +52,7 @@ def test_bench_decode_tiny(tmp_path):
         assert 0 < pk["padding_efficiency"] < pk["packing_efficiency"] <= 1
         assert pk["rows_packed"] <= pk["rows_padded"]
     assert "ours_pixel_values" in proc.stdout and "packing" in proc.stdout
+    assert (tmp_path / "decode.png").stat().st_size > 10_000
 
 
 def test_bench_service_tiny(tmp_path, ray_local, monkeypatch, capsys):
