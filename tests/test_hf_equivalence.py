@@ -5,6 +5,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from datasvc.process import preprocess_images
@@ -132,8 +133,6 @@ def test_aspect_ratio_over_200_rejected():
 def test_pixel_rows_become_hf_pixel_values_on_numpy_and_torch():
     """The rows that travel are raster order; ``to_pixel_values`` alone puts them in the HF
     processor's patch order, the same on numpy (the CPU rank) and torch (the GPU rank)."""
-    import torch
-
     from datasvc.vision import pixel_rows
 
     spec = VisionSpec(min_pixels=32 * 32, max_pixels=512 * 512)
@@ -157,3 +156,22 @@ def test_pixel_rows_become_hf_pixel_values_on_numpy_and_torch():
                                to_pixel_values(torch.from_numpy(rows), odd, grids, torch.float32).numpy(), atol=1e-5)
     with pytest.raises(ValueError, match="covers"):
         to_pixel_values(rows, spec, grids[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_pixel_rows_become_the_same_pixel_values_on_cuda():
+    """What every GPU rank runs on each micro-batch (``DataClient``): the CUDA path of
+    ``to_pixel_values`` gives the CPU path's values (bfloat16 within one rounding step)."""
+    from datasvc.vision import pixel_rows
+
+    spec = VisionSpec(min_pixels=32 * 32, max_pixels=2048 * 2048)
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 256, hw + (3,), dtype=np.uint8) for hw in [(1088, 1440), (64, 96), (2048, 32)]]
+    rows = np.concatenate([pixel_rows(img, spec) for img in images])
+    grids = np.array([[1, h // 16, w // 16] for h, w, _ in (img.shape for img in images)])
+    want = to_pixel_values(rows, spec, grids)
+    got = to_pixel_values(torch.from_numpy(rows).cuda(), spec, grids, torch.float32)
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=1e-6)
+    got16 = to_pixel_values(torch.from_numpy(rows).cuda(), spec, grids, torch.bfloat16)
+    np.testing.assert_allclose(got16.float().cpu().numpy(), want, atol=1 / 128)
