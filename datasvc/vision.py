@@ -4,8 +4,8 @@ Model-specific numbers live in a pipeline's ``VisionSpec``; this module only doe
 Images travel as their resized uint8 RGB pixels in raster order, one temporal frame, cut into rows
 of one patch's size (768 bytes for P=16; ``pixel_rows``). Only the consumer puts them in the
 model's patch order and makes float ``pixel_values`` (``to_pixel_values``): on a GPU rank that
-permutation is free inside the normalizing kernel, while on the CPU it cost a fifth of the
-preprocessing actors' time per image.
+permutation is free inside the normalizing kernel, while on the CPU it took 20-30% of the
+preprocessing actors' time per image (docs/benchmarks.md S7.1).
 """
 from __future__ import annotations
 
