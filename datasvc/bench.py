@@ -287,7 +287,7 @@ def profile_ours(photos: list[Photo], spec, decoder) -> dict:
             rows = [pixel_rows(resize_uint8(img, j.target_hw), spec) for img, j in zip(full, jobs)]
             t3 = time.perf_counter()
             for r, j in zip(rows, jobs):
-                to_pixel_values(r, spec, [spec.grid(j.header.height, j.header.width)])
+                to_pixel_values(r, spec, [j.grid(spec)])
             t4 = time.perf_counter()
             if timed:
                 for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

@@ -77,6 +77,11 @@ class DecodeJob:
     header: ImageHeader
     target_hw: tuple[int, int]
 
+    def grid(self, spec: VisionSpec) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid of the resized image."""
+        th, tw = self.target_hw
+        return 1, th // spec.patch_size, tw // spec.patch_size
+
 
 Timer = Callable[[str, float, int], None]
 """(stage, seconds, count): how a decoder reports its stage times (``StageTimes.add``)."""
@@ -394,7 +399,7 @@ class GpuDecoder:
         """One DALI output batch -> ``pixel_values`` of each image, views into one tensor for the
         batch (``vision.to_pixel_values``: one kernel per image, one copy for the other frames)."""
         rows, spans = self._pixel_rows(out, jobs, spec)
-        grids = [_grid(job, spec) for job, s in zip(jobs, spans) if not isinstance(s, ImageRejected)]
+        grids = [job.grid(spec) for job, s in zip(jobs, spans) if not isinstance(s, ImageRejected)]
         values = to_pixel_values(rows, spec, grids, dtype)
         return [s if isinstance(s, ImageRejected) else values[s[0]:s[1]] for s in spans]
 
@@ -440,14 +445,8 @@ class GpuDecoder:
         dtype = torch.bfloat16 if dtype is None else dtype
         return self._stream(batches, spec, lambda out, batch: self._pixel_value_rows(out, batch, spec, dtype),
                             lambda rows, job: to_pixel_values(torch.from_numpy(rows).to(self._torch_device), spec,
-                                                              [_grid(job, spec)], dtype),
+                                                              [job.grid(spec)], dtype),
                             timer)
-
-
-def _grid(job: DecodeJob, spec: VisionSpec) -> tuple[int, int, int]:
-    """The (t, h, w) patch grid of a job's resized image."""
-    th, tw = job.target_hw
-    return 1, th // spec.patch_size, tw // spec.patch_size
 
 
 def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int = 0) -> Decoder:

@@ -158,6 +158,5 @@ def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
         if o is not None:
             continue
         job, p = next(job_iter), next(rows)
-        th, tw = job.target_hw
-        out[i] = p if isinstance(p, ImageRejected) else (p, (1, th // spec.patch_size, tw // spec.patch_size))
+        out[i] = p if isinstance(p, ImageRejected) else (p, job.grid(spec))
     return out

@@ -44,8 +44,7 @@ def jobs_for(blobs: list[bytes]) -> list[DecodeJob]:
 
 
 def normalized(rows: np.ndarray, job: DecodeJob, dtype=torch.bfloat16) -> torch.Tensor:
-    th, tw = job.target_hw
-    return to_pixel_values(torch.from_numpy(rows), SPEC, [(1, th // SPEC.patch_size, tw // SPEC.patch_size)], dtype)
+    return to_pixel_values(torch.from_numpy(rows), SPEC, [job.grid(SPEC)], dtype)
 
 
 def test_patches_match_cpu_backend(blobs, decoders):

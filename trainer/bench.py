@@ -152,7 +152,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         ra, rb = res[a].get("img_s"), res[b].get("img_s")
         return round(ra / rb, 3) if ra and rb else None
 
-    grids = [spec.grid(j.header.height, j.header.width) for j in jobs]
+    grids = [j.grid(spec) for j in jobs]
 
     def to_gpu_pixel_values(rows_per_image):
         values = [to_pixel_values(r if torch.is_tensor(r) else torch.from_numpy(r).cuda(non_blocking=True),
