@@ -41,7 +41,8 @@ class PipelineLayout:
     pad_id: int
 
 
-def _module(name: str):
+def pipeline_module(name: str):
+    """The pipeline package by name (for its model facts: ``flops_model``, presets)."""
     try:
         return importlib.import_module(f"pipelines.{name}")
     except ModuleNotFoundError as exc:
@@ -51,9 +52,9 @@ def _module(name: str):
 
 
 def get_pipeline(name: str, **options) -> Pipeline:
-    return _module(name).build(**options)
+    return pipeline_module(name).build(**options)
 
 
 def get_layout(name: str, **options) -> PipelineLayout:
     """The pipeline's vision layout and pad id; raises on options the pipeline does not know."""
-    return _module(name).layout(**options)
+    return pipeline_module(name).layout(**options)

@@ -16,55 +16,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pipelines.qwen3vl import VOCAB_SIZE
+from pipelines.qwen3vl.arch import Qwen3VLArch, arch, preset_names
 
 
 class ConfigError(ValueError):
     """An invalid combination of options; the message lists every problem and what to change."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Model architecture presets (public Hugging Face config.json of each model, see DESIGN.md)
-# ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Qwen3VLArch:
-    """The numbers that define a Qwen3-VL MoE model (language tower + vision tower)."""
-
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int = 128
-    num_experts: int = 128
-    moe_topk: int = 8
-    moe_ffn_hidden_size: int
-    dense_ffn_hidden_size: int  # HF ``intermediate_size``; unused by all-MoE layers but part of the config
-    vocab_size: int = VOCAB_SIZE
-    rope_theta: float = 5_000_000.0
-    mrope_section: tuple[int, int, int] = (24, 20, 20)
-    max_position_embeddings: int = 262144
-    # vision tower
-    vision_depth: int = 27
-    vision_hidden_size: int = 1152
-    vision_num_heads: int = 16
-    vision_ffn_hidden_size: int = 4304
-    vision_out_hidden_size: int  # equals the language hidden size
-    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-
-
-PRESETS: dict[str, Qwen3VLArch] = {
-    "qwen3vl-30b-a3b": Qwen3VLArch(
-        hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
-        moe_ffn_hidden_size=768, dense_ffn_hidden_size=6144, vision_out_hidden_size=2048,
-    ),
-    "qwen3vl-235b-a22b": Qwen3VLArch(
-        hidden_size=4096, num_layers=94, num_attention_heads=64, num_kv_heads=4,
-        moe_ffn_hidden_size=1536, dense_ffn_hidden_size=12288, vision_out_hidden_size=4096,
-    ),
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,10 +44,8 @@ class ModelConfig:
 
     def arch(self) -> Qwen3VLArch:
         """The preset with the overrides applied."""
-        base = PRESETS[self.preset]
-        changes = {k: v for k, v in (("num_layers", self.num_layers), ("num_experts", self.num_experts),
-                                     ("vision_depth", self.vision_depth)) if v is not None}
-        return dataclasses.replace(base, **changes)
+        return arch(self.preset, num_layers=self.num_layers, num_experts=self.num_experts,
+                    vision_depth=self.vision_depth)
 
 
 @dataclass(kw_only=True)
@@ -184,8 +138,8 @@ def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
     m, p, moe, rc, cg, t = cfg.model, cfg.parallel, cfg.moe, cfg.recompute, cfg.cuda_graph, cfg.train
     out: list[str] = []
 
-    if m.preset not in PRESETS:
-        return [f"unknown model preset {m.preset!r}; choose one of {sorted(PRESETS)}"]
+    if m.preset not in preset_names():
+        return [f"unknown model preset {m.preset!r}; choose one of {preset_names()}"]
     for name in ("num_layers", "num_experts", "vision_depth"):
         v = getattr(m, name)
         if v is not None and v < 1:
@@ -348,7 +302,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the Megatron backend's options (names follow the Megatron-Bridge performance guide)."""
     d = TrainerConfig()
     g = parser.add_argument_group("model")
-    g.add_argument("--model-preset", choices=sorted(PRESETS), default=d.model.preset)
+    g.add_argument("--model-preset", choices=preset_names(), default=d.model.preset)
     g.add_argument("--num-layers", type=int, default=None, help="decoder layers (proxy override)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (proxy override)")
     g.add_argument("--vision-depth", type=int, default=None, help="vision tower layers (proxy override)")

@@ -62,7 +62,8 @@ from megatron.core.utils import get_model_config
 
 from datasvc.batch import IGNORE_INDEX
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD as VIDEO_PAD_ID
-from trainer.config import Qwen3VLArch, TrainerConfig
+from pipelines.qwen3vl.megatron import hf_config
+from trainer.config import TrainerConfig
 from trainer.vision_chunks import chunk_vision_hook
 
 log = logging.getLogger("vlmfeed.megatron")
@@ -75,38 +76,6 @@ VISION_START_ID = TOKENS.vision_start
 # ================================================================================================
 # 1. Config: TrainerConfig -> Megatron-Bridge ConfigContainer
 # ================================================================================================
-def hf_config(arch: Qwen3VLArch):
-    """The Hugging Face ``Qwen3VLMoeConfig`` for an architecture, so random init goes through the same
-    AutoBridge mapping (``Qwen3VLMoEBridge.provider_bridge``) as a real checkpoint would."""
-    from transformers import Qwen3VLMoeConfig
-
-    cfg = Qwen3VLMoeConfig(
-        text_config=dict(
-            hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
-            num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim, num_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk,
-            moe_intermediate_size=arch.moe_ffn_hidden_size, intermediate_size=arch.dense_ffn_hidden_size,
-            vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
-            rms_norm_eps=1e-6, attention_bias=False,
-            rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta,
-                             "mrope_section": list(arch.mrope_section), "mrope_interleaved": True},
-        ),
-        vision_config=dict(
-            depth=arch.vision_depth, hidden_size=arch.vision_hidden_size, num_heads=arch.vision_num_heads,
-            intermediate_size=arch.vision_ffn_hidden_size, out_hidden_size=arch.vision_out_hidden_size,
-            patch_size=arch.patch_size, temporal_patch_size=arch.temporal_patch_size,
-            spatial_merge_size=arch.spatial_merge_size, in_channels=3, num_position_embeddings=2304,
-            deepstack_visual_indexes=list(arch.deepstack_visual_indexes),
-        ),
-        image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
-        vision_start_token_id=VISION_START_ID, vision_end_token_id=TOKENS.vision_end,
-        tie_word_embeddings=False,
-    )
-    # AutoBridge dispatches on the architecture name, which a freshly built config lacks.
-    cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
-    return cfg
-
-
 def build_provider(cfg: TrainerConfig):
     """The Qwen3-VL MoE model provider (``Qwen3VLMoEModelProvider``) with every model-side knob set."""
     m, p, moe, rc, cg, t = cfg.model, cfg.parallel, cfg.moe, cfg.recompute, cfg.cuda_graph, cfg.train

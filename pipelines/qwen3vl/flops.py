@@ -1,6 +1,6 @@
 """Training FLOPs of a Qwen3-VL class MoE vision-language model, per packed micro-batch.
 
-Used by ``datasvc.profile`` for the demand side: how many micro-batches per second one
+Used by the profiler for the demand side: how many micro-batches per second one
 data-parallel rank of a trainer consumes, given GPUs, peak TFLOP/s and an MFU assumption.
 
 The count is the standard one (Kaplan/Megatron/PaLM style), forward + backward = 3x forward:
@@ -18,7 +18,7 @@ The count is the standard one (Kaplan/Megatron/PaLM style), forward + backward =
   (``4*hidden -> 4*hidden -> out_hidden`` per merged token each). ``vision_trainable=False``
   counts the tower forward only (a frozen tower at the input needs no backward).
 
-Architectures are from the public Qwen3-VL config files (see DESIGN.md).
+Architectures come from ``pipelines.qwen3vl.arch``, the one place that holds them.
 """
 from __future__ import annotations
 
@@ -27,17 +27,22 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from pipelines.qwen3vl.arch import QWEN3VL_30B_A3B, Qwen3VLArch, arch, preset_names
+from pipelines.qwen3vl.data import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, VOCAB_SIZE
+
 
 @dataclass(frozen=True, kw_only=True)
 class VisionTower:
-    depth: int = 27
-    hidden: int = 1152
-    heads: int = 16
-    mlp: int = 4304
-    patch_in: int = 1536  # 3 channels x 2 frames x 16 x 16
-    merge: int = 2
-    out_hidden: int = 2048
-    deepstack_layers: tuple[int, ...] = (8, 16, 24)
+    """Defaults: the tower every released Qwen3-VL MoE shares (out_hidden follows the decoder)."""
+
+    depth: int = QWEN3VL_30B_A3B.vision_depth
+    hidden: int = QWEN3VL_30B_A3B.vision_hidden_size
+    heads: int = QWEN3VL_30B_A3B.vision_num_heads
+    mlp: int = QWEN3VL_30B_A3B.vision_ffn_hidden_size
+    patch_in: int = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE**2
+    merge: int = MERGE_SIZE
+    out_hidden: int = QWEN3VL_30B_A3B.vision_out_hidden_size
+    deepstack_layers: tuple[int, ...] = QWEN3VL_30B_A3B.deepstack_visual_indexes
 
     @property
     def params(self) -> int:
@@ -59,7 +64,7 @@ class ModelSpec:
     num_experts: int
     top_k: int
     moe_intermediate: int
-    vocab: int = 151936
+    vocab: int = VOCAB_SIZE
     dense_intermediate: int = 0  # > 0: a dense MLP instead of experts (num_experts ignored)
     vision: VisionTower = field(default_factory=VisionTower)
     vision_trainable: bool = True
@@ -128,17 +133,16 @@ class ModelSpec:
         return d
 
 
-def _vision(out_hidden: int) -> VisionTower:
-    return VisionTower(out_hidden=out_hidden)
+def from_arch(name: str, a: Qwen3VLArch) -> ModelSpec:
+    vision = VisionTower(depth=a.vision_depth, hidden=a.vision_hidden_size, heads=a.vision_num_heads,
+                         mlp=a.vision_ffn_hidden_size, out_hidden=a.vision_out_hidden_size,
+                         deepstack_layers=tuple(a.deepstack_visual_indexes))
+    return ModelSpec(name=name, hidden=a.hidden_size, layers=a.num_layers, heads=a.num_attention_heads,
+                     kv_heads=a.num_kv_heads, head_dim=a.head_dim, num_experts=a.num_experts, top_k=a.moe_topk,
+                     moe_intermediate=a.moe_ffn_hidden_size, vocab=a.vocab_size, vision=vision)
 
 
-PRESETS: dict[str, ModelSpec] = {
-    "qwen3vl-30b-a3b": ModelSpec(name="qwen3vl-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
-                                 num_experts=128, top_k=8, moe_intermediate=768, vision=_vision(2048)),
-    "qwen3vl-235b-a22b": ModelSpec(name="qwen3vl-235b-a22b", hidden=4096, layers=94, heads=64, kv_heads=4,
-                                   head_dim=128, num_experts=128, top_k=8, moe_intermediate=1536,
-                                   vision=_vision(4096)),
-}
+PRESETS: dict[str, ModelSpec] = {name: from_arch(name, arch(name)) for name in preset_names()}
 
 
 def model_from_dict(d: dict) -> ModelSpec:

@@ -1,7 +1,7 @@
-"""Qwen3-VL: everything model-specific the data service and trainer need, in one place.
+"""Qwen3-VL's data side: token ids, the image processor's numbers and the chat format.
 
-Vision numbers and token ids are from the public Qwen3-VL configs (see DESIGN.md). The trainer
-reads ``MEGATRON`` to bind the Megatron-Bridge provider; the data service reads the rest.
+Vision numbers and token ids are from the public Qwen3-VL configs (Qwen2VLImageProcessor,
+tokenizer_config.json).
 """
 from __future__ import annotations
 
@@ -24,13 +24,6 @@ TOKENS = ChatTokens(
 )
 VIDEO_PAD = 151656
 VOCAB_SIZE = 151936
-
-# Megatron-Bridge binding: the trainer imports these names, the data service never does.
-MEGATRON = {
-    "provider_module": "megatron.bridge.models.qwen_vl",
-    "hf_config_class": "Qwen3VLMoeConfig",
-}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Qwen3VLOptions:
@@ -65,8 +58,11 @@ class Qwen3VLPipeline:
         return self.chat.encode(messages, image_tokens)
 
 
+PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 16, 2, 2
+
+
 def _vision(options: Qwen3VLOptions) -> VisionSpec:
-    return VisionSpec(patch_size=16, temporal_patch_size=2, merge_size=2,
+    return VisionSpec(patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
                       min_pixels=options.min_pixels, max_pixels=options.max_pixels,
                       image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
                       max_decode_pixels=options.max_decode_pixels)

@@ -1,0 +1,79 @@
+"""Qwen3-VL MoE architectures: the released models (public Hugging Face config.json) and proxies.
+
+A proxy keeps what sets the per-token cost of a layer (hidden size, heads, top-k routing, expert
+width, the whole vision tower) and cuts what only multiplies memory: layers or experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pipelines.qwen3vl.data import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, VOCAB_SIZE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3VLArch:
+    """The numbers that define a Qwen3-VL MoE model (language tower + vision tower)."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int = 128
+    num_experts: int = 128
+    moe_topk: int = 8
+    moe_ffn_hidden_size: int
+    dense_ffn_hidden_size: int  # HF ``intermediate_size``; unused by all-MoE layers but part of the config
+    vocab_size: int = VOCAB_SIZE
+    rope_theta: float = 5_000_000.0
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    max_position_embeddings: int = 262144
+    # vision tower
+    vision_depth: int = 27
+    vision_hidden_size: int = 1152
+    vision_num_heads: int = 16
+    vision_ffn_hidden_size: int = 4304
+    vision_out_hidden_size: int  # equals the language hidden size
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    patch_size: int = PATCH_SIZE
+    temporal_patch_size: int = TEMPORAL_PATCH_SIZE
+    spatial_merge_size: int = MERGE_SIZE
+
+
+QWEN3VL_30B_A3B = Qwen3VLArch(
+    hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
+    moe_ffn_hidden_size=768, dense_ffn_hidden_size=6144, vision_out_hidden_size=2048,
+)
+QWEN3VL_235B_A22B = Qwen3VLArch(
+    hidden_size=4096, num_layers=94, num_attention_heads=64, num_kv_heads=4,
+    moe_ffn_hidden_size=1536, dense_ffn_hidden_size=12288, vision_out_hidden_size=4096,
+)
+
+PRESETS: dict[str, Qwen3VLArch] = {
+    "qwen3vl-30b-a3b": QWEN3VL_30B_A3B,
+    "qwen3vl-235b-a22b": QWEN3VL_235B_A22B,
+}
+
+# Proxies of 30B-A3B that one GPU holds. "depth" is faithful to the full model's depth (48 decoder
+# layers, the 27-layer vision tower, top-8 routing over 768-wide experts) with 16 experts instead of
+# 128; "4-layer" is the short proxy most earlier measurements used.
+PROXIES: dict[str, tuple[str, dict]] = {
+    "qwen3vl-30b-a3b-depth-proxy": ("qwen3vl-30b-a3b", {"num_experts": 16}),
+    "qwen3vl-30b-a3b-4layer-proxy": ("qwen3vl-30b-a3b", {"num_layers": 4, "num_experts": 16}),
+}
+
+
+def arch(preset: str, **overrides) -> Qwen3VLArch:
+    """A preset (or proxy) with overrides applied (None keeps the preset's value)."""
+    if preset in PROXIES:
+        base_name, proxy = PROXIES[preset]
+        overrides = {**proxy, **{k: v for k, v in overrides.items() if v is not None}}
+        preset = base_name
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS) + sorted(PROXIES)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(PRESETS[preset], **changes)
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS) + sorted(PROXIES)
