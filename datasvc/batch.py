@@ -65,10 +65,6 @@ class PackedBatch:
         return int(self.cu_seqlens[np.arange(len(self.num_samples)), self.num_samples].sum())
 
     @property
-    def packing_efficiency(self) -> float:
-        return self.real_tokens / max(1, self.tokens.size)
-
-    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.tokens, self.labels, self.loss_mask, self.cu_seqlens,
                                       self.num_samples, self.pixels, self.image_grid_thw))
