@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
+import subprocess
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,8 +131,8 @@ def test_padded_mode_allows_attention_graphs():
 def mb():
     if not _OK:
         pytest.skip(_WHY)
-    import trainer.megatron_backend as mb
-    return mb
+    from trainer.megatron import container, loop, metrics, step, thd
+    return SimpleNamespace(container=container, loop=loop, metrics=metrics, step=step, thd=thd)
 
 
 def _finalized(mb, cfg: TrainerConfig, world: int, monkeypatch):
@@ -136,7 +140,7 @@ def _finalized(mb, cfg: TrainerConfig, world: int, monkeypatch):
     from megatron.bridge.training.config import runtime_config_update
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg.validate(world)
-    container = mb.build_config_container(cfg, world)
+    container = mb.container.build_config_container(cfg, world)
     runtime_config_update(container)
     return container
 
@@ -173,21 +177,32 @@ def test_wgrad_fusion_needs_apex(mb, monkeypatch):
     # Bridge turns gradient-accumulation fusion on whenever Transformer Engine imports, but the
     # Qwen3-VL output layer (a plain ColumnParallelLinear) then refuses to build without APEX's
     # fused_weight_gradient_mlp_cuda: the model build failed that way on the H200.
-    monkeypatch.setattr(mb, "_has_apex_wgrad_fusion", lambda: False)
-    assert mb.build_provider(proxy()).gradient_accumulation_fusion is False
-    monkeypatch.setattr(mb, "_has_apex_wgrad_fusion", lambda: True)
-    assert mb.build_provider(proxy()).gradient_accumulation_fusion is True
+    monkeypatch.setattr(mb.container, "_has_apex_wgrad_fusion", lambda: False)
+    assert mb.container.build_provider(proxy()).gradient_accumulation_fusion is False
+    monkeypatch.setattr(mb.container, "_has_apex_wgrad_fusion", lambda: True)
+    assert mb.container.build_provider(proxy()).gradient_accumulation_fusion is True
 
 
 @needs_bridge
-def test_dataset_helper_compile_is_skipped(mb, monkeypatch):
+def test_dataset_helper_compile_is_skipped(mb, monkeypatch, caplog):
     # The megatron-core wheel ships the helpers prebuilt without their Makefile, so Bridge's
     # compile_helpers() (make, then sys.exit(1) on failure) ended the training process on the H200.
     import megatron.bridge.training.initialize as bridge_init
 
+    commands = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, *a, **k: commands.append(cmd) or
+                        subprocess.CompletedProcess(cmd, returncode=2))
     monkeypatch.setattr(bridge_init, "compile_helpers", bridge_init.compile_helpers)
-    mb._skip_dataset_helper_compile()
-    bridge_init.compile_helpers()  # no make, no exit
+    with pytest.raises(SystemExit):  # what the unpatched helper does where make fails
+        bridge_init.compile_helpers()
+    assert commands and commands[0][0] == "make"
+
+    commands.clear()
+    mb.loop.skip_dataset_helper_compile()
+    with caplog.at_level(logging.INFO, logger="vlmfeed.megatron"):
+        assert bridge_init.compile_helpers() is None  # no exit
+    assert commands == []  # and no make
+    assert "dataset index helpers not compiled" in caplog.text
 
 
 @needs_bridge
@@ -206,7 +221,7 @@ def test_knobs_reach_the_provider(mb, monkeypatch):
     assert [s.name for s in m.cuda_graph_modules] == ["moe_router", "moe_preprocess"]
     assert m.freeze_vision_model and not m.freeze_language_model and not m.freeze_vision_projection
     hooks = len(getattr(m, "_pre_wrap_hooks", []))
-    chunked = mb.build_provider(proxy(model=ModelConfig(num_layers=4, vision_chunk_patches=16384)))
+    chunked = mb.container.build_provider(proxy(model=ModelConfig(num_layers=4, vision_chunk_patches=16384)))
     assert len(chunked._pre_wrap_hooks) == hooks + 1
 
     # The flex dispatcher: Bridge's runtime check asks the GPU's architecture, so on CPU only the
@@ -214,7 +229,7 @@ def test_knobs_reach_the_provider(mb, monkeypatch):
     flex = proxy(moe=MoEConfig(dispatcher="flex", flex_backend="hybridep"), parallel=ParallelConfig(ep=2),
                  train=TrainConfig(mbs=1, gbs=2))
     flex.validate(2)
-    m = mb.build_provider(flex)
+    m = mb.container.build_provider(flex)
     assert m.moe_token_dispatcher_type == "flex" and m.moe_flex_dispatcher_backend == "hybridep"
     assert not m.moe_shared_expert_overlap
 
@@ -231,7 +246,7 @@ def test_knobs_reach_the_provider(mb, monkeypatch):
 @pytest.mark.parametrize("preset, hidden, layers, heads, moe_ffn", [
     ("qwen3vl-30b-a3b", 2048, 48, 32, 768), ("qwen3vl-235b-a22b", 4096, 94, 64, 1536)])
 def test_presets_map_through_autobridge(mb, preset, hidden, layers, heads, moe_ffn):
-    m = mb.build_provider(TrainerConfig(model=ModelConfig(preset=preset)))
+    m = mb.container.build_provider(TrainerConfig(model=ModelConfig(preset=preset)))
     assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.num_query_groups, m.kv_channels) == \
         (hidden, layers, heads, 4, 128)
     assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (128, 8, moe_ffn)
@@ -246,8 +261,8 @@ def test_presets_map_through_autobridge(mb, preset, hidden, layers, heads, moe_f
 def test_external_data_provider(mb, tmp_path):
     from megatron.bridge.data.utils import get_dataset_provider
 
-    it = mb.TimedIterator(iter([]))
-    c = mb.build_config_container(proxy(), 1, it)
+    it = mb.metrics.TimedIterator(iter([]))
+    c = mb.container.build_config_container(proxy(), 1, it)
     assert c.dataset.dataloader_type == "external"
     build = get_dataset_provider(c.dataset)  # Bridge's protocol adapter for DatasetProvider
     train_ds, valid_ds, test_ds = build([10, 0, 0], c.dataset)
@@ -311,7 +326,7 @@ def batch():
 @needs_bridge
 def test_pack_thd_in_place(mb, batch):
     b, samples = batch
-    p = mb.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
+    p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
     # Row 0: 20 + 16 + filler 12; row 1: 9 + 21 + filler 18. Fixed T = B*S.
     assert p.tokens.shape == (1, 96)
     assert p.cu_seqlens_padded.tolist() == [0, 20, 36, 48, 57, 78, 96]
@@ -333,7 +348,7 @@ def test_pack_thd_in_place(mb, batch):
 def test_pack_thd_context_parallel_layout(mb, batch):
     b, samples = batch
     # CP=2: every segment a multiple of 4; TP=2 with SP: T a multiple of TP*CP = 4.
-    p = mb.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
+    p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
                     segment_multiple=4, total_multiple=4)
     phys = p.cu_seqlens_padded.tolist()
     real = p.cu_seqlens.tolist()
@@ -355,8 +370,8 @@ def test_mrope_restarts_per_sample(mb, batch):
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
 
     b, samples = batch
-    p = mb.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
-    pos = mb.mrope_position_ids(p, b["image_grid_thw"])
+    p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
+    pos = mb.thd.mrope_position_ids(p, b["image_grid_thw"])
     assert pos.shape == (3, 1, 96)
     for (a, e), (tk, _, grids) in zip(p.sample_spans, samples):
         assert pos[:, 0, a].tolist() == [0, 0, 0]  # restarts
@@ -368,54 +383,79 @@ def test_mrope_restarts_per_sample(mb, batch):
     assert pos[1, 0, a:a + 6].tolist() == [6, 6, 6, 7, 7, 7] and pos[2, 0, a:a + 6].tolist() == [6, 7, 8, 6, 7, 8]
 
     # Same under the CP layout (padding between samples).
-    q = mb.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
+    q = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
                     segment_multiple=4, total_multiple=4)
-    qpos = mb.mrope_position_ids(q, b["image_grid_thw"])
+    qpos = mb.thd.mrope_position_ids(q, b["image_grid_thw"])
     for (a, e), (pa, pe) in zip(q.sample_spans, p.sample_spans):
         assert torch.equal(qpos[:, 0, a:e], pos[:, 0, pa:pe])
 
 
+class Replayable:
+    """A resumable stream: batch i is the i-th item; the state is the position, as the data
+    service's ``DataClient`` keeps it. Each ``__next__`` blocks ``delay_s`` first."""
+
+    def __init__(self, items: list, delay_s: float = 0.0):
+        self.items, self.delay_s, self.position = items, delay_s, 0
+
+    def __next__(self):
+        time.sleep(self.delay_s)
+        if self.position >= len(self.items):
+            raise StopIteration
+        self.position += 1
+        return self.items[self.position - 1]
+
+    def save_state(self):
+        return {"position": self.position}
+
+    def restore_state(self, state):
+        self.position = state["position"]
+
+
 @needs_bridge
-def test_timed_iterator_and_stock_adapter(mb, batch):
+def test_timed_iterator_counts_waits_and_resumes_at_the_saved_position(mb, batch):
     b, _ = batch
-
-    class Source:
-        def __init__(self):
-            self.items = [b, b]
-            self.state = None
-
-        def __next__(self):
-            return self.items.pop()
-
-        def save_state(self):
-            return {"left": len(self.items)}
-
-        def restore_state(self, state):
-            self.state = state
-
-    src = Source()
-    it = mb.TimedIterator(src)
-    next(it)
-    next(it)
-    assert it.micro_batches == 2 and it.slot_tokens == 2 * 96 and it.real_tokens == 2 * (36 + 30)
-    assert it.wait_s >= 0 and it.save_state() == {"left": 0}
-    it.restore_state({"x": 1})
-    assert src.state == {"x": 1}
-
-    with pytest.raises(ValueError, match="one sample per row"):
-        mb.to_stock_batch(b)
     single = make_batch([[(*make_sample(4, [(1, 4, 4)], 5, 9), [(1, 4, 4)])]], S=32)
-    stock = mb.to_stock_batch(single)
+    items = [b, single, b]
+    it = mb.metrics.TimedIterator(Replayable(items, delay_s=0.02))
+    assert next(it) is b
+    state = it.save_state()
+    assert next(it) is single and next(it) is b
+    assert it.micro_batches == 3 and it.slot_tokens == 2 * 96 + 32
+    assert it.real_tokens == 2 * (36 + 30) + 15  # the single row: 4 text + 6 image span + 5 text
+    assert it.wait_s >= 3 * 0.02  # the time blocked in the source is counted
+    it.reset()
+    assert (it.wait_s, it.micro_batches, it.real_tokens, it.slot_tokens) == (0.0, 0, 0, 0)
+
+    # A checkpoint restore goes to the source: the next batch is the one after the saved position,
+    # also in a fresh iterator over a fresh source (a restarted job).
+    it.restore_state(state)
+    assert next(it) is single
+    fresh = mb.metrics.TimedIterator(Replayable(items))
+    fresh.restore_state(state)
+    assert next(fresh) is single and next(fresh) is b
+    with pytest.raises(StopIteration):
+        next(fresh)
+
+
+@needs_bridge
+def test_stock_adapter_takes_one_sample_per_row(mb, batch):
+    b, _ = batch
+    with pytest.raises(ValueError, match="one sample per row"):
+        mb.step.to_stock_batch(b)
+    single = make_batch([[(*make_sample(4, [(1, 4, 4)], 5, 9), [(1, 4, 4)])]], S=32)
+    stock = mb.step.to_stock_batch(single)
     assert "cu_seqlens" not in stock and stock["position_ids"] is None
     assert torch.equal(stock["visual_inputs"].image_grid_thw, single["image_grid_thw"])
     assert (stock["labels"] >= 0).all() and stock["loss_mask"].sum() == (single["labels"] != -100).sum()
+    stocked = mb.metrics.TimedIterator(Replayable([single]), adapt=mb.step.to_stock_batch)
+    assert "visual_inputs" in next(stocked) and stocked.real_tokens == 15
 
 
 @needs_bridge
 def test_per_sample_losses(mb):
     losses = torch.arange(10, dtype=torch.float32)[None]
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)
-    assert mb.per_sample_losses(losses, mask, [(0, 4), (4, 10)]) == [1.5, 6.0]
+    assert mb.thd.per_sample_losses(losses, mask, [(0, 4), (4, 10)]) == [1.5, 6.0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,7 +465,7 @@ def test_per_sample_losses(mb):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="builds the Qwen3-VL model: needs a CUDA GPU")
 def test_packed_row_matches_samples_alone():
-    from trainer.gpu_proof import packed_vs_alone
+    from trainer.bench.gpu_proof import packed_vs_alone
 
     report = packed_vs_alone(num_layers=4, num_experts=128)
     assert report["ok"], report

@@ -198,7 +198,7 @@ def rank_main(backend, cfg, data_cfg, run, layout, metrics_path):
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if backend == "megatron":
-        from trainer.megatron_backend import train
+        from trainer.megatron.loop import train
 
         client = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run, device="cuda:0")
         records = train(cfg, client, metrics_path if layout.rank == layout.world - 1 else None,

@@ -1,0 +1,222 @@
+"""TrainerConfig -> Megatron-Bridge ``ConfigContainer``: the Qwen3-VL MoE provider with every model-side
+knob set, the optimizer, DDP/FSDP and the external data provider; and the runtime checks the config
+alone cannot make."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+from megatron.bridge import AutoBridge
+from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
+from megatron.bridge.training.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    DistributedDataParallelConfig,
+    DistributedInitConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    RNGConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
+from megatron.bridge.training.tokenizers.config import TokenizerConfig
+
+from pipelines.qwen3vl.megatron import hf_config
+from trainer.config import TrainerConfig
+from trainer.megatron.metrics import TimedIterator
+from trainer.vision_chunks import chunk_vision_hook
+
+
+# ------------------------------------------------------------------------------------------------
+# The model provider
+# ------------------------------------------------------------------------------------------------
+def build_provider(cfg: TrainerConfig):
+    """The Qwen3-VL MoE model provider (``Qwen3VLMoEModelProvider``) with every model-side knob set."""
+    m, t = cfg.model, cfg.train
+    if m.hf_path:
+        provider = AutoBridge.from_hf_pretrained(m.hf_path).to_megatron_provider(load_weights=True)
+    else:
+        provider = AutoBridge.from_hf_config(hf_config(m.arch())).to_megatron_provider(load_weights=False)
+    _set_parallel(provider, cfg)
+    provider.seq_length = t.seq_len
+    # The provider's defaults freeze both towers (a PEFT-style default); ours train everything unless asked.
+    provider.freeze_language_model = m.freeze_language_model
+    provider.freeze_vision_model = m.freeze_vision_model
+    provider.freeze_vision_projection = m.freeze_vision_projection
+    if m.vision_chunk_patches:
+        provider.register_pre_wrap_hook(chunk_vision_hook(m.vision_chunk_patches))
+    # Packed rows hold different numbers of supervised tokens; averaging per token over the whole
+    # global batch weighs every token equally (and CP requires it for Qwen3-VL anyway).
+    provider.calculate_per_token_loss = True
+    # Megatron's non-TE linear layers (the output layer) implement gradient-accumulation fusion only
+    # through APEX's fused_weight_gradient_mlp_cuda and refuse to build without it; the provider turns
+    # the fusion on by default, so keep it only where that extension exists.
+    provider.gradient_accumulation_fusion = bool(provider.gradient_accumulation_fusion) and _has_apex_wgrad_fusion()
+    _set_moe(provider, cfg)
+    _set_recompute(provider, cfg)
+    _set_cuda_graphs(provider, cfg)
+    return provider
+
+
+def _set_parallel(provider, cfg: TrainerConfig) -> None:
+    """Parallel sizes. Qwen3-VL MoE's provider turns sequence parallel on itself when TP > 1 (finalize)."""
+    p = cfg.parallel
+    provider.tensor_model_parallel_size = p.tp
+    provider.pipeline_model_parallel_size = p.pp
+    provider.virtual_pipeline_model_parallel_size = p.vpp
+    provider.context_parallel_size = p.cp
+    provider.expert_model_parallel_size = p.ep
+    provider.expert_tensor_parallel_size = p.etp
+    provider.sequence_parallel = p.tp > 1
+    provider.pipeline_dtype = None  # finalize() takes params_dtype (bf16 under bf16_mixed) when PP > 1
+    # With PP, stages exchange activations of shape [tokens, 1, hidden] for our flat THD stream, not
+    # [seq_len, mbs, hidden]; variable_seq_lengths makes the P2P layer send the shape first.
+    provider.variable_seq_lengths = p.pp > 1 and not cfg.train.padded
+
+
+def _set_moe(provider, cfg: TrainerConfig) -> None:
+    """The MoE token dispatcher."""
+    moe = cfg.moe
+    provider.moe_aux_loss_coeff = moe.aux_loss_coeff
+    if moe.dispatcher == "flex":
+        provider.moe_token_dispatcher_type = "flex"
+        provider.moe_flex_dispatcher_backend = moe.flex_backend
+        provider.moe_shared_expert_overlap = False  # not supported with the flex dispatcher
+    else:
+        provider.moe_token_dispatcher_type = "alltoall"
+        provider.moe_flex_dispatcher_backend = None
+
+
+def _set_recompute(provider, cfg: TrainerConfig) -> None:
+    """Activation recompute."""
+    rc = cfg.recompute
+    if rc.granularity == "full":
+        provider.recompute_granularity = "full"
+        provider.recompute_method = "uniform"
+        provider.recompute_num_layers = rc.num_layers
+        provider.recompute_modules = None
+    elif rc.granularity == "selective":
+        provider.recompute_granularity = "selective"
+        provider.recompute_method = None
+        provider.recompute_num_layers = None
+        provider.recompute_modules = list(rc.modules)
+    else:
+        provider.recompute_granularity = None
+        provider.recompute_modules = None
+
+
+def _set_cuda_graphs(provider, cfg: TrainerConfig) -> None:
+    """CUDA graphs (per layer, Transformer Engine), using megatron-core 0.19's cuda_graph_modules."""
+    cg = cfg.cuda_graph
+    if cg.scope:
+        provider.cuda_graph_impl = "transformer_engine"
+        provider.cuda_graph_modules = list(cg.scope)
+        provider.cuda_graph_warmup_steps = cg.warmup_steps
+    else:
+        provider.cuda_graph_impl = "none"
+
+
+def _has_apex_wgrad_fusion() -> bool:
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: our iterator through dataloader_type="external"
+# ------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ExternalDataProvider(DatasetProvider):
+    """``dataloader_type="external"``: Megatron-Bridge passes our iterator through untouched (wrapped
+    only in its RerunDataIterator). No validation or test split; the data service owns sharding
+    (one stream per DP rank, identical across the TP/PP/CP ranks of a replica)."""
+
+    dataloader_type: str = "external"
+    num_workers: int = 0
+    persistent_workers: bool = False
+    pin_memory: bool = False
+    data_sharding: bool = False
+    seq_length: int = 4096  # read by a few Bridge helpers that look at cfg.dataset.seq_length
+    skip_getting_attention_mask_from_dataset: bool = True  # stock qwen3_vl_step reads it
+
+    # The iterator is a runtime object, kept off the dataclass fields so the config stays printable.
+    def attach(self, iterator: TimedIterator | None) -> "ExternalDataProvider":
+        object.__setattr__(self, "_iterator", iterator)
+        return self
+
+    @property
+    def iterator(self) -> TimedIterator | None:
+        return getattr(self, "_iterator", None)
+
+    def build_datasets(self, context: DatasetBuildContext):
+        if self.iterator is None:
+            raise RuntimeError("ExternalDataProvider has no iterator attached (call .attach(iterator))")
+        return self.iterator, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# The container
+# ------------------------------------------------------------------------------------------------
+def build_config_container(cfg: TrainerConfig, world_size: int,
+                           iterator: TimedIterator | None = None) -> ConfigContainer:
+    """The full Megatron-Bridge config. Call ``cfg.validate(world_size)`` first (``train`` does)."""
+    t = cfg.train
+    fsdp = cfg.parallel.strategy == "fsdp"
+    return ConfigContainer(
+        model=build_provider(cfg),
+        train=TrainingConfig(
+            train_iters=t.train_iters, global_batch_size=t.gbs, micro_batch_size=t.mbs,
+            manual_gc=True, manual_gc_interval=100,
+        ),
+        validation=ValidationConfig(eval_iters=0, eval_interval=None),
+        optimizer=OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, bf16=t.bf16,
+            adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=t.clip_grad,
+            use_distributed_optimizer=True,
+        ),
+        scheduler=SchedulerConfig(
+            lr_decay_style="cosine", lr_warmup_iters=t.warmup_iters, lr_warmup_init=0.0,
+            lr_decay_iters=t.train_iters, start_weight_decay=t.weight_decay, end_weight_decay=t.weight_decay,
+            weight_decay_incr_style="constant", override_opt_param_scheduler=True,
+        ),
+        ddp=_ddp_config(fsdp),
+        dataset=ExternalDataProvider(seq_length=t.seq_len).attach(iterator),
+        logger=LoggerConfig(log_interval=t.log_interval, log_throughput=True),
+        # Our tokens arrive already tokenized; the null tokenizer only carries the vocabulary size.
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=cfg.model.arch().vocab_size),
+        checkpoint=CheckpointConfig(save=None, load=None,
+                                    ckpt_format="fsdp_dtensor" if fsdp else "torch_dist"),
+        rng=RNGConfig(seed=t.seed),
+        dist=DistributedInitConfig(use_megatron_fsdp=fsdp),
+        mixed_precision="bf16_mixed" if t.bf16 else None,
+    )
+
+
+def _ddp_config(fsdp: bool) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        check_for_nan_in_grad=True,
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        # Per-token loss: gradients are summed, then divided by the global token count; averaging
+        # inside the collective would divide by DP size a second time.
+        average_in_collective=False,
+        use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
+        # Megatron-FSDP overlaps its own all-gathers/reduce-scatters per module. Plain DDP buckets do
+        # not: Bridge's VLM recipes keep them off because a micro-batch without images leaves the
+        # vision tower without gradients and an overlapped bucket then never fires.
+        overlap_grad_reduce=fsdp,
+        overlap_param_gather=fsdp,
+    )
+
+
+def check_runtime(cfg: TrainerConfig) -> None:
+    """What the config alone cannot tell: a GPU, and the optional packages some knobs need."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the Megatron-Bridge backend needs a CUDA GPU; use the CPU path without one")
+    if cfg.moe.dispatcher == "flex" and importlib.util.find_spec("deep_ep") is None:
+        raise RuntimeError(f"--moe-dispatcher flex --flex-backend {cfg.moe.flex_backend} needs the deep_ep "
+                           "package (DeepEP, with HybridEP for hybridep); install it or use alltoall")
+    if cfg.parallel.strategy == "fsdp" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise RuntimeError("Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or > 1")

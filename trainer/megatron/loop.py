@@ -1,0 +1,83 @@
+"""The entry a trainer rank calls (``train``), and the glue to Megatron-Bridge's pretrain loop."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator
+
+import torch
+from megatron.bridge.models.qwen_vl import qwen3_vl_step
+from megatron.bridge.training.callbacks import Callback
+from megatron.bridge.training.config import ConfigContainer
+from megatron.bridge.training.state import GlobalState
+
+from trainer.config import TrainerConfig
+from trainer.megatron.container import build_config_container, check_runtime
+from trainer.megatron.metrics import MetricsSink, StepMetrics, TimedIterator
+from trainer.megatron.step import PackedForwardStep, to_stock_batch
+
+log = logging.getLogger("vlmfeed.megatron")
+
+
+def train(cfg: TrainerConfig, data_iterator: Iterator[dict], metrics_sink: MetricsSink = None,
+          *, world_size: int | None = None) -> list[dict]:
+    """Train with Megatron-Bridge on this rank. Call on every rank, with RANK/WORLD_SIZE/LOCAL_RANK/
+    MASTER_ADDR/MASTER_PORT set (Bridge initialises torch.distributed unless it already is).
+    Returns this rank's per-step records; the last rank also writes them to ``metrics_sink``
+    (a JSON-lines path, or a callable taking each record)."""
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world_size)
+    check_runtime(cfg)
+
+    iterator = TimedIterator(data_iterator, adapt=to_stock_batch if cfg.train.padded else None)
+    container = build_config_container(cfg, world_size, iterator)
+    # A Ray actor sees exactly its own GPU; Bridge would otherwise pick cuda:LOCAL_RANK.
+    container.dist.external_gpu_device_mapping = torch.cuda.device_count() == 1
+    forward_step = qwen3_vl_step.forward_step if cfg.train.padded else PackedForwardStep()
+    metrics = StepMetrics(iterator, metrics_sink)
+    log.info("Megatron-Bridge backend: %s, strategy %s, %s rows", cfg.model.preset, cfg.parallel.strategy,
+             "padded (stock qwen3_vl_step)" if cfg.train.padded else "packed (THD)")
+    run_bridge(container, forward_step, [metrics])
+    return metrics.records
+
+
+def run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callback]) -> None:
+    """Megatron-Bridge's pretrain loop. ``megatron.bridge.training.pretrain`` imports
+    nvidia-resiliency-ext at module level, whose registry release (0.4.1) predates what megatron-core
+    0.19 needs (>= 0.6, and 0.4.1 breaks its import); where it is missing we run the same steps
+    pretrain runs without in-process restart: setup, train, finish."""
+    skip_dataset_helper_compile()
+    try:
+        from megatron.bridge.training.pretrain import pretrain
+    except ImportError:
+        pretrain = None
+    if pretrain is not None:
+        pretrain(container, forward_step, callbacks=callbacks)
+        return
+
+    from megatron.bridge.data.utils import get_dataset_provider
+    from megatron.bridge.training.callbacks import normalize_callbacks
+    from megatron.bridge.training.config import runtime_config_update
+    from megatron.bridge.training.setup import setup
+    from megatron.bridge.training.train import _finish_train, train as bridge_train
+
+    runtime_config_update(container)
+    state = GlobalState()
+    state.cfg = container
+    manager = normalize_callbacks(callbacks)
+    out = setup(state, get_dataset_provider(container.dataset), callback_manager=manager)
+    if out.state.train_state.do_train:
+        bridge_train(forward_step, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
+                     out.valid_data_iterator, out.state, out.checkpoint_manager, out.pg_collection,
+                     callback_manager=manager)
+    _finish_train(out.state, out.checkpoint_manager)
+
+
+def skip_dataset_helper_compile() -> None:
+    """Megatron-Bridge's initialisation runs ``make`` in megatron/core/datasets to build the C++ index
+    helpers of Megatron's own datasets, and exits the process when that fails. The megatron-core wheel
+    ships those helpers prebuilt but without the Makefile, so ``make`` always fails there; our data
+    arrives through ``dataloader_type="external"`` and never uses them, so skip the compile."""
+    import megatron.bridge.training.initialize as bridge_init
+
+    bridge_init.compile_helpers = lambda: log.info("dataset index helpers not compiled: external data iterator")

@@ -1,0 +1,142 @@
+"""Per-step metrics of the Megatron-Bridge backend: how long the trainer blocks on data
+(``TimedIterator``) and one record per optimizer step (``StepMetrics``), in the same names as the
+CPU development path (``data_wait_share``, ``tokens_per_s``, ``real_token_fraction``...)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from megatron.bridge.training.callbacks import Callback, CallbackContext
+
+from trainer.megatron.thd import real_tokens_per_row
+
+log = logging.getLogger("vlmfeed.megatron")
+
+MetricsSink = str | Path | Callable[[dict], None] | None
+
+
+class TimedIterator:
+    """Wraps the per-rank data iterator: counts time blocked in ``__next__`` and the real/slot tokens
+    of each micro-batch. ``StepMetrics`` drains the counters once per optimizer step."""
+
+    def __init__(self, inner: Iterator[dict], adapt: Callable[[dict], Any] | None = None):
+        self.inner = inner
+        self.adapt = adapt
+        self.reset()
+
+    def reset(self) -> None:
+        self.wait_s = 0.0
+        self.real_tokens = 0
+        self.slot_tokens = 0
+        self.micro_batches = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        batch = next(self.inner)
+        self.wait_s += time.perf_counter() - t0
+        tokens = batch["tokens"]
+        self.slot_tokens += tokens.numel()
+        self.real_tokens += int(real_tokens_per_row(batch["cu_seqlens"], batch["num_samples"]).sum())
+        self.micro_batches += 1
+        return self.adapt(batch) if self.adapt else batch
+
+    # Checkpoint resume goes straight to the data service's stream state.
+    def save_state(self):
+        return self.inner.save_state()
+
+    def restore_state(self, state) -> None:
+        self.inner.restore_state(state)
+
+
+class StepMetrics(Callback):
+    """Per optimizer step: step time, data wait, tokens/s, real-token fraction, TFLOP/s per GPU,
+    peak memory, loss. FLOPs come from Megatron-Bridge's own accounting: train.py adds the step's
+    FLOPs to ``train_state.floating_point_operations_so_far`` right after ``on_train_step_end``, so a
+    step's record is completed at the next step's start (or at train end)."""
+
+    def __init__(self, iterator: TimedIterator, sink: MetricsSink):
+        self.iterator = iterator
+        self.sink = sink
+        self.records: list[dict] = []
+        self._pending: dict | None = None
+        self._t0 = 0.0
+        self._flops_before = 0.0
+
+    def on_train_step_start(self, context: CallbackContext) -> None:
+        self._finish_pending(context)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._flops_before = context.state.train_state.floating_point_operations_so_far
+        self._t0 = time.perf_counter()
+
+    def on_train_step_end(self, context: CallbackContext) -> None:
+        torch.cuda.synchronize()
+        real, slots, wait, peak_gib, step_time = self._reduce_step(time.perf_counter() - self._t0)
+        self._pending = {
+            "step": context.state.train_state.step + 1,
+            "step_time_s": step_time,
+            "data_wait_s": wait,
+            "data_wait_share": wait / step_time if step_time > 0 else 0.0,
+            "tokens_per_s": real / step_time,
+            "slot_tokens_per_s": slots / step_time,
+            "real_token_fraction": real / slots if slots else 0.0,
+            "peak_mem_gib": peak_gib,
+            "loss": _loss(context.loss_dict),
+            "grad_norm": context.grad_norm,
+            "skipped": context.skipped_iter,
+            "lr": context.optimizer.param_groups[0]["lr"] if context.optimizer is not None else None,
+        }
+
+    def _reduce_step(self, step_time: float) -> tuple[float, float, float, float, float]:
+        """(real tokens, slot tokens, data wait, peak GiB, step time) of this step over the job: tokens
+        summed over DP replicas (each replica's TP/PP/CP ranks saw the same rows); the slowest rank's
+        wait, memory and step time, which are what bound the job."""
+        from megatron.core import parallel_state
+
+        it = self.iterator
+        dev = torch.cuda.current_device()
+        sums = torch.tensor([it.real_tokens, it.slot_tokens], dtype=torch.float64, device=dev)
+        maxes = torch.tensor([it.wait_s, torch.cuda.max_memory_allocated() / 2**30, step_time],
+                             dtype=torch.float64, device=dev)
+        it.reset()
+        torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX)
+        return (*sums.tolist(), *maxes.tolist())
+
+    def on_train_end(self, context: CallbackContext) -> None:
+        self._finish_pending(context)
+
+    def _finish_pending(self, context: CallbackContext) -> None:
+        rec, self._pending = self._pending, None
+        if rec is None:
+            return
+        flops = context.state.train_state.floating_point_operations_so_far - self._flops_before
+        world = torch.distributed.get_world_size()
+        rec["tflops_per_gpu"] = flops / rec["step_time_s"] / world / 1e12 if rec["step_time_s"] else 0.0
+        self.records.append(rec)
+        # The last rank sits on the last pipeline stage (Megatron's rank order keeps PP outermost),
+        # the only place the loss exists.
+        if torch.distributed.get_rank() == world - 1:
+            log.info("step %(step)d loss %(loss)s step %(step_time_s).3fs wait %(data_wait_s).4fs "
+                     "%(tokens_per_s).0f tok/s real %(real_token_fraction).3f %(tflops_per_gpu).1f TFLOP/s/GPU "
+                     "peak %(peak_mem_gib).1f GiB", rec)
+            if callable(self.sink):
+                self.sink(rec)
+            elif self.sink is not None:
+                with open(self.sink, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+
+def _loss(loss_dict: dict | None) -> float | None:
+    """The step's language-model loss from Bridge's reduced loss dict (None off the last stage)."""
+    for key, value in (loss_dict or {}).items():
+        if "loss" in key:
+            return float(value.item() if torch.is_tensor(value) else value)
+    return None
