@@ -1,4 +1,4 @@
-"""Tests for datasvc.synth: realistic synthetic shards, calibration and the mock mode."""
+"""Tests for datasvc.tools.synth: realistic synthetic shards, calibration and the mock mode."""
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datasvc import synth
-from datasvc.synth import PROFILES, Dist, Profile, calibrate, image_statistics, write_shards
+from datasvc.tools import synth
+from datasvc.tools.synth import PROFILES, Dist, Profile, calibrate, image_statistics, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -383,7 +383,7 @@ def test_mock_has_same_text_and_no_images(tmp_path, small_shards):
 
 def run_cli(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "datasvc.synth", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "datasvc.tools.synth", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -1,0 +1,298 @@
+"""Distributions and profiles: what a synthetic data set's images and text look like.
+
+A :class:`Profile` is a set of :class:`Dist` distributions; three are built in (:data:`PROFILES`)
+and ``calibrate`` fits one to real shards. Both round-trip through JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A one-dimensional distribution that round-trips through JSON.
+
+    kinds:
+      - ``lognormal``: ``median``, ``sigma`` (of the log), clipped to [lo, hi].
+      - ``uniform``: on [lo, hi].
+      - ``choice``: ``values`` with ``weights`` (discrete, e.g. images per sample, aspect ratios).
+      - ``quantiles``: an empirical inverse CDF; ``values`` are the quantiles at probabilities
+        (i + 0.5) / n ("Hazen" plotting positions). Sampling interpolates between them, which
+        keeps the mean of the data it was fitted to exactly when n equals the sample count.
+    """
+
+    kind: str
+    median: float = 1.0
+    sigma: float = 0.0
+    lo: float | None = None
+    hi: float | None = None
+    values: tuple[float, ...] = ()
+    weights: tuple[float, ...] = ()
+
+    @staticmethod
+    def lognormal(median: float, sigma: float, lo: float | None = None, hi: float | None = None) -> "Dist":
+        return Dist("lognormal", median=median, sigma=sigma, lo=lo, hi=hi)
+
+    @staticmethod
+    def uniform(lo: float, hi: float) -> "Dist":
+        return Dist("uniform", lo=lo, hi=hi)
+
+    @staticmethod
+    def choice(values: Sequence[float], weights: Sequence[float] | None = None) -> "Dist":
+        w = np.ones(len(values)) if weights is None else np.asarray(weights, float)
+        w = w / w.sum()
+        return Dist("choice", values=tuple(float(v) for v in values), weights=tuple(float(x) for x in w))
+
+    @staticmethod
+    def fit_quantiles(samples: Iterable[float], n: int = 64) -> "Dist":
+        """Empirical distribution of ``samples`` compressed to at most ``n`` quantiles."""
+        x = np.sort(np.asarray(list(samples), float))
+        if x.size == 0:
+            raise ValueError("cannot fit a distribution to no samples")
+        q = min(n, x.size)
+        vals = np.quantile(x, (np.arange(q) + 0.5) / q, method="hazen")
+        return Dist("quantiles", values=tuple(float(v) for v in vals))
+
+    @staticmethod
+    def fit_choice(samples: Iterable[float]) -> "Dist":
+        vals, counts = np.unique(np.asarray(list(samples), float), return_counts=True)
+        return Dist.choice(vals.tolist(), counts.tolist())
+
+    def sample(self, rng: np.random.Generator, u: float | None = None) -> float:
+        """Draw one value. ``u`` (uniform in [0, 1)) lets callers couple two distributions."""
+        u = rng.random() if u is None else u
+        if self.kind == "lognormal":
+            z = _norm_ppf(u)  # inverse CDF rather than rng.normal, so one uniform can couple two draws
+            x = self.median * math.exp(self.sigma * z)
+        elif self.kind == "uniform":
+            x = self.lo + (self.hi - self.lo) * u
+        elif self.kind == "choice":
+            idx = int(np.searchsorted(np.cumsum(self.weights), u * sum(self.weights), side="right"))
+            x = self.values[min(idx, len(self.values) - 1)]
+        elif self.kind == "quantiles":
+            n = len(self.values)
+            x = float(np.interp(u, (np.arange(n) + 0.5) / n, self.values))
+        else:
+            raise ValueError(f"unknown distribution kind {self.kind!r}")
+        if self.lo is not None:
+            x = max(x, self.lo)
+        if self.hi is not None:
+            x = min(x, self.hi)
+        return float(x)
+
+    def mean(self) -> float:
+        """Expected value (numerically, on a fine grid of u, so clipping is accounted for)."""
+        if self.kind == "choice":
+            return float(np.dot(self.values, self.weights))
+        u = (np.arange(20000) + 0.5) / 20000
+        if self.kind == "lognormal":
+            return float(np.mean([self.sample(None, ui) for ui in u]))
+        return float(np.mean(self._vec(u)))
+
+    def _vec(self, u: np.ndarray) -> np.ndarray:
+        if self.kind == "uniform":
+            x = self.lo + (self.hi - self.lo) * u
+        else:  # quantiles
+            n = len(self.values)
+            x = np.interp(u, (np.arange(n) + 0.5) / n, self.values)
+        return np.clip(x, self.lo if self.lo is not None else -np.inf, self.hi if self.hi is not None else np.inf)
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind}
+        if self.kind == "lognormal":
+            d.update(median=self.median, sigma=self.sigma)
+        if self.lo is not None:
+            d["lo"] = self.lo
+        if self.hi is not None:
+            d["hi"] = self.hi
+        if self.values:
+            d["values"] = list(self.values)
+        if self.weights:
+            d["weights"] = list(self.weights)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Dist":
+        return Dist(
+            kind=d["kind"],
+            median=float(d.get("median", 1.0)),
+            sigma=float(d.get("sigma", 0.0)),
+            lo=d.get("lo"),
+            hi=d.get("hi"),
+            values=tuple(float(v) for v in d.get("values", ())),
+            weights=tuple(float(v) for v in d.get("weights", ())),
+        )
+
+
+def _norm_ppf(u: float) -> float:
+    """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
+    u = min(max(u, 1e-12), 1 - 1e-12)
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
+         -3.066479806614716e01, 2.506628277459239e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01,
+         -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00,
+         4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+    if u < 0.02425:
+        q = math.sqrt(-2 * math.log(u))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / (
+            (((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if u > 1 - 0.02425:
+        return -_norm_ppf(1 - u)
+    q = u - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / (
+        ((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+# What an image is made of and how it is stored. "photo" content is a composed natural scene,
+# "document" content is a rendered page or UI screenshot with text.
+KINDS = ("photo/jpeg", "photo/png", "document/png", "document/jpeg")
+
+
+@dataclass
+class Profile:
+    """Distributions that describe a data set's images and text.
+
+    ``jpeg_bpp`` (bytes per pixel of photographic JPEGs), when set, is a per-image target: the
+    amount of fine detail in the image is tuned until the encoded JPEG hits it, drawn with the same
+    uniform as the quality so high quality goes with high bytes per pixel, as in real data. When it
+    is ``None`` the detail amount is drawn from ``detail`` and bytes per pixel follow from content
+    and quality, as they do for a camera.
+    """
+
+    name: str
+    megapixels: Dist
+    aspect: Dist  # width / height
+    jpeg_quality: Dist
+    kinds: dict[str, float]
+    images_per_sample: Dist
+    caption_words: Dist
+    conversation_fraction: float
+    question_words: Dist
+    answer_words: Dist
+    jpeg_bpp: Dist | None = None
+    detail: Dist = field(default_factory=lambda: Dist.lognormal(1.0, 0.35, 0.3, 3.0))
+    progressive_fraction: float = 0.0
+    gray_fraction: float = 0.0
+    subsampling: dict[str, float] = field(default_factory=lambda: {"4:2:0": 1.0})
+    description: str = ""
+
+    _DISTS = ("megapixels", "aspect", "jpeg_quality", "images_per_sample", "caption_words",
+              "question_words", "answer_words", "jpeg_bpp", "detail")
+
+    def to_dict(self) -> dict:
+        d = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = v.to_dict() if isinstance(v, Dist) else v
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        kw = dict(d)
+        for k in cls._DISTS:
+            if kw.get(k) is not None:
+                kw[k] = Dist.from_dict(kw[k])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kw) - known
+        if unknown:
+            raise ValueError(f"unknown profile fields: {sorted(unknown)}")
+        odd = set(kw.get("kinds", {})) - set(KINDS)
+        if odd:
+            raise ValueError(f"unknown image kinds {sorted(odd)} in the profile; known: {', '.join(KINDS)}")
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike) -> "Profile":
+        """A built-in profile by name, or a profile JSON file."""
+        if str(name_or_path) in PROFILES:
+            return PROFILES[str(name_or_path)]
+        p = Path(name_or_path)
+        if p.is_file():
+            return cls.from_json(p.read_text())
+        raise ValueError(f"no profile named {name_or_path!r} (built in: {', '.join(PROFILES)}) and no such file")
+
+    def mean_megapixels(self) -> float:
+        return self.megapixels.mean()
+
+
+PROFILES: dict[str, Profile] = {
+    # Web-crawled image-text pairs (LAION/COYO/DataComp-like after filtering): mostly JPEG of
+    # 0.2-2 MP in the common camera/web aspect ratios, alt-text or short recaptions.
+    "web-photos": Profile(
+        name="web-photos",
+        description="web photos, 0.2-2 MP, mostly JPEG q75-95, short captions, some VQA",
+        megapixels=Dist.lognormal(0.6, 0.55, 0.2, 2.0),
+        aspect=Dist.choice([4 / 3, 3 / 2, 16 / 9, 1.0, 3 / 4, 2 / 3, 9 / 16, 2.0],
+                           [0.25, 0.18, 0.12, 0.15, 0.12, 0.10, 0.05, 0.03]),
+        jpeg_quality=Dist.choice([75, 80, 85, 90, 92, 95], [0.15, 0.2, 0.25, 0.2, 0.1, 0.1]),
+        kinds={"photo/jpeg": 0.90, "photo/png": 0.06, "document/png": 0.04},
+        images_per_sample=Dist.choice([1, 2, 3, 4], [0.88, 0.08, 0.03, 0.01]),
+        caption_words=Dist.lognormal(16, 0.8, 2, 250),
+        conversation_fraction=0.25,
+        question_words=Dist.lognormal(9, 0.5, 2, 60),
+        answer_words=Dist.lognormal(35, 0.9, 1, 400),
+        detail=Dist.lognormal(1.2, 0.4, 0.3, 3.0),  # ~0.15-0.45 bytes/px at q85
+        progressive_fraction=0.1,
+        gray_fraction=0.03,
+        subsampling={"4:2:0": 0.85, "4:4:4": 0.15},
+    ),
+    # Document / screenshot understanding (DocVQA, ChartQA, UI data): rendered pages and screens,
+    # PNG-heavy, tall pages and phone screenshots, long conversations.
+    "documents": Profile(
+        name="documents",
+        description="document pages and screenshots, PNG-heavy, tall aspect ratios, mostly QA",
+        megapixels=Dist.lognormal(1.6, 0.5, 0.4, 6.0),
+        aspect=Dist.choice([0.707, 0.773, 0.46, 16 / 9, 1.6, 0.3], [0.35, 0.15, 0.15, 0.15, 0.10, 0.10]),
+        jpeg_quality=Dist.choice([85, 90, 95], [0.3, 0.4, 0.3]),
+        kinds={"document/png": 0.65, "document/jpeg": 0.20, "photo/jpeg": 0.15},
+        images_per_sample=Dist.choice([1, 2, 3, 4], [0.80, 0.12, 0.05, 0.03]),
+        caption_words=Dist.lognormal(30, 0.7, 3, 400),
+        conversation_fraction=0.7,
+        question_words=Dist.lognormal(12, 0.5, 3, 80),
+        answer_words=Dist.lognormal(45, 1.0, 1, 600),
+        progressive_fraction=0.05,
+        gray_fraction=0.1,
+        subsampling={"4:2:0": 0.7, "4:4:4": 0.3},
+    ),
+    # Camera originals (phones, DSLRs): 8-16 MP, high quality, 4:2:2 or 4:2:0, dense captions.
+    "camera-hires": Profile(
+        name="camera-hires",
+        description="camera originals, 8-16 MP JPEG q88-95, dense captions",
+        megapixels=Dist.lognormal(12.0, 0.2, 8.0, 16.0),
+        aspect=Dist.choice([4 / 3, 3 / 2, 16 / 9, 3 / 4, 2 / 3, 1.0], [0.40, 0.30, 0.10, 0.10, 0.08, 0.02]),
+        jpeg_quality=Dist.choice([88, 92, 95], [0.3, 0.3, 0.4]),
+        kinds={"photo/jpeg": 1.0},
+        images_per_sample=Dist.choice([1], [1.0]),
+        caption_words=Dist.lognormal(45, 0.6, 5, 400),
+        conversation_fraction=0.3,
+        question_words=Dist.lognormal(10, 0.5, 2, 60),
+        answer_words=Dist.lognormal(60, 0.8, 1, 600),
+        detail=Dist.lognormal(0.8, 0.3, 0.3, 2.0),
+        progressive_fraction=0.0,
+        gray_fraction=0.0,
+        subsampling={"4:2:2": 0.5, "4:2:0": 0.5},
+    ),
+}
+
+

@@ -1,0 +1,141 @@
+"""Samples and shards: each sample drawn from its own random stream, shards written atomically."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from datasvc.tools.synth.dist import Profile
+from datasvc.tools.synth.documents import _document_image
+from datasvc.tools.synth.images import _compose, _encode, _fit_detail, _photo_layers
+from datasvc.tools.synth.text import IMAGE_MARKER, _prose, _question
+
+
+@dataclass
+class _ImageSpec:
+    content: str  # "photo" | "document"
+    fmt: str  # "jpeg" | "png"
+    w: int
+    h: int
+    quality: int
+    bpp: float | None
+    detail: float
+    progressive: bool
+    subsampling: str
+    gray: bool
+
+
+def _pick(rng: np.random.Generator, mix: dict[str, float]) -> str:
+    keys = sorted(mix)
+    p = np.array([mix[k] for k in keys], float)
+    return keys[min(int(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right")), len(keys) - 1)]
+
+
+def _draw_image_spec(rng: np.random.Generator, p: Profile) -> _ImageSpec:
+    # Always the same number of draws in the same order, whatever the branch, so a change to one
+    # field of a profile does not reshuffle every other field.
+    content, fmt = _pick(rng, p.kinds).split("/")
+    mp, ar = p.megapixels.sample(rng), p.aspect.sample(rng)
+    w = max(16, round(math.sqrt(mp * 1e6 * ar)))
+    h = max(16, round(mp * 1e6 / w))
+    u = rng.random()  # quality and bytes/px share one uniform: high quality goes with many bytes
+    quality = int(round(p.jpeg_quality.sample(rng, u)))
+    bpp = p.jpeg_bpp.sample(rng, u) if p.jpeg_bpp is not None else None
+    detail = p.detail.sample(rng)
+    progressive = bool(rng.random() < p.progressive_fraction)
+    subsampling = _pick(rng, p.subsampling)
+    gray = bool(rng.random() < p.gray_fraction)
+    return _ImageSpec(content, fmt, w, h, min(max(quality, 1), 100), bpp, detail, progressive, subsampling, gray)
+
+
+def _render(spec: _ImageSpec, rng: np.random.Generator) -> bytes:
+    if spec.content == "document":
+        img = _document_image(rng, spec.w, spec.h, scanned=spec.fmt == "jpeg" and rng.random() < 0.5)
+    else:
+        base, detail = _photo_layers(rng, spec.w, spec.h)
+        k = spec.detail
+        if spec.fmt == "jpeg" and spec.bpp is not None:
+            k = _fit_detail(rng, base, detail, spec.bpp, spec.quality, spec.subsampling, spec.progressive, spec.gray)
+        img = _compose(base, detail, k)
+        del base, detail
+    if spec.gray:
+        img = cv2.cvtColor(img, cv2.COLOR_RGB2GRAY)
+    return _encode(img, spec.fmt, spec.quality, spec.subsampling, spec.progressive)
+
+
+def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
+    """Sample ``index``; its randomness depends only on (seed, index), never on shard layout."""
+    s_layout, s_text, s_img = np.random.SeedSequence([seed, index]).spawn(3)
+    rl = np.random.default_rng(s_layout)
+    n_img = max(0, int(round(profile.images_per_sample.sample(rl))))
+    specs = [_draw_image_spec(rl, profile) for _ in range(n_img)]
+
+    rt = np.random.default_rng(s_text)
+    conv = bool(rt.random() < profile.conversation_fraction)
+    if conv:
+        question = _question(rt, max(1, round(profile.question_words.sample(rt))))
+        answer = _prose(rt, max(1, round(profile.answer_words.sample(rt))))
+    else:
+        caption = _prose(rt, max(1, round(profile.caption_words.sample(rt))))
+
+    sample: dict = {"__key__": f"{index:08d}"}
+    if mock:
+        # Same words as the real sample (the text stream does not depend on images), no pixels:
+        # exactly what an image-free benchmark feeds.
+        sample["txt"] = (question + " " + answer if conv else caption).encode()
+        return sample
+    for i, (spec, ss) in enumerate(zip(specs, s_img.spawn(n_img))):
+        ext = "jpg" if spec.fmt == "jpeg" else "png"
+        sample[ext if n_img == 1 else f"{i}.{ext}"] = _render(spec, np.random.default_rng(ss))
+    if conv:
+        user = "".join(IMAGE_MARKER + "\n" for _ in range(n_img)) + question
+        msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        sample["json"] = json.dumps({"messages": msgs}).encode()
+    else:
+        sample["txt"] = caption.encode()
+    return sample
+
+
+def write_shards(out_dir: str | os.PathLike, samples: int, profile: Profile | str = "web-photos",
+                 seed: int = 0, samples_per_shard: int = 128, mock: bool = False,
+                 progress: bool = True) -> list[str]:
+    """Write ``samples`` samples as ``out_dir/synth-000000.tar``, ...; returns the shard paths.
+
+    Each shard is written to a temporary name and renamed, so a reader never sees half a shard.
+    Stale ``synth-*.tar`` from an earlier, larger run in the same directory are removed (they
+    would silently mix into a benchmark).
+    """
+    from tqdm import tqdm
+    from webdataset import TarWriter
+
+    if not isinstance(profile, Profile):
+        profile = Profile.load(profile)
+    if samples < 0 or samples_per_shard < 1:
+        raise ValueError("samples must be >= 0 and samples_per_shard >= 1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[str] = []
+    n_shards = (samples + samples_per_shard - 1) // samples_per_shard
+    desc = f"synth {profile.name}{' (mock)' if mock else ''}"
+    with tqdm(total=samples, unit="sample", desc=desc, disable=not progress, file=sys.stderr) as bar:
+        for s in range(n_shards):
+            path = out / f"synth-{s:06d}.tar"
+            tmp = out / f".synth-{s:06d}.tar.tmp"
+            with open(tmp, "wb") as f, TarWriter(f, encoder=False, mtime=0, user="synth", group="synth") as tw:
+                for i in range(s * samples_per_shard, min(samples, (s + 1) * samples_per_shard)):
+                    tw.write(_make_sample(i, profile, seed, mock))
+                    bar.update(1)
+            os.replace(tmp, path)
+            paths.append(str(path))
+    for stale in out.glob("synth-*.tar"):
+        if stale.name[6:12].isdigit() and int(stale.name[6:12]) >= n_shards:
+            stale.unlink()
+    return paths
+
+
