@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 # Reasons that are a rule of the run rather than a defect of the data.
 RULE_REASONS = frozenset({"longer_than_seq_len"})
+# A user's filter (datasvc.filters): the reason is this prefix and the rule, e.g. "filter:similarity>=0.28".
+RULE_PREFIX = "filter:"
 
 
 @dataclass(slots=True)
@@ -35,7 +37,8 @@ class Accounting:
     max_log: int = 1000
 
     def reject(self, shard: str, key: str, reason: str, detail: str = "") -> None:
-        target = self.skipped_by_rule if reason in RULE_REASONS else self.quarantined
+        is_rule = reason in RULE_REASONS or reason.startswith(RULE_PREFIX)
+        target = self.skipped_by_rule if is_rule else self.quarantined
         target[reason] += 1
         if len(self.log) < self.max_log:
             self.log.append(Rejection(shard, key, reason, detail[:300]))

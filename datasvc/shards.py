@@ -119,6 +119,7 @@ class RawSample:
     conversation: object | None  # parsed json (never pickle)
     problem: str = ""
     detail: str = ""
+    metadata: dict = field(default_factory=dict)  # a non-conversation JSON (img2dataset: url, similarity, ...)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +137,8 @@ def _image_order(ext: str) -> tuple:
 def read_samples(path: str, samples: list[SampleIndex], limits: ReadLimits, ignored: "dict | None" = None):
     """Yield a RawSample per indexed sample, reading member bytes by offset."""
     import json
+
+    from datasvc.formats import attach_json
 
     with open(path, "rb") as f:
         for s in samples:
@@ -181,7 +184,7 @@ def read_samples(path: str, samples: list[SampleIndex], limits: ReadLimits, igno
                 if text_member is not None:
                     raw.text = read(text_member).decode("utf-8")
                 if json_member is not None:
-                    raw.conversation = json.loads(read(json_member).decode("utf-8"))
+                    attach_json(raw, json.loads(read(json_member).decode("utf-8")))
             except UnicodeDecodeError as exc:
                 raw.problem, raw.detail = "text_not_utf8", str(exc)[:120]
             except json.JSONDecodeError as exc:

@@ -16,7 +16,17 @@ from tokenizers import Tokenizer
 
 from datasvc.batch import IGNORE_INDEX
 
-IMAGE_MARKER = "<image>"
+
+class _Image:
+    """The place of the next image in a message's content (see datasvc.formats)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "IMAGE"
+
+
+IMAGE = _Image()
 
 
 class SampleRejected(ValueError):
@@ -59,12 +69,13 @@ _CONTROL = re.compile(r"<\|[a-z_]+\|>")
 
 
 class ChatMLEncoder:
-    """Messages with ``<image>`` markers -> (input_ids, shifted labels)."""
+    """Messages whose content is a list of parts (text strings and ``IMAGE``) -> (input_ids, shifted
+    labels). Rendered as Qwen-style ChatML: no default system turn, ``<|im_start|>role\n ... <|im_end|>\n``
+    per message, only assistant replies (and their ``<|im_end|>``) supervised."""
 
-    def __init__(self, tokenizer: Tokenizer, tokens: ChatTokens, caption_prompt: str = ""):
+    def __init__(self, tokenizer: Tokenizer, tokens: ChatTokens):
         self.tokenizer = tokenizer
         self.tokens = tokens
-        self.caption_prompt = caption_prompt
         self._role_ids = {role: self._text(f"{role}\n") for role in ("system", "user", "assistant")}
         self._newline = self._text("\n")
 
@@ -75,44 +86,47 @@ class ChatMLEncoder:
         text = _CONTROL.sub(lambda m: m.group(0).replace("<|", "< |"), text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def caption_messages(self, caption: str, n_images: int) -> list[dict]:
-        user = IMAGE_MARKER * n_images + self.caption_prompt
-        return [{"role": "user", "content": user}, {"role": "assistant", "content": caption}]
-
     def encode(self, messages: list[dict], image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``image_tokens[i]``: pad count of the i-th image marker in reading order."""
+        """``image_tokens[i]``: pad count of the i-th ``IMAGE`` part in reading order."""
         t = self.tokens
         ids: list[int] = []
         supervised: list[bool] = []
         next_image = 0
         for msg in messages:
-            role, content = msg["role"], msg["content"]
+            role = msg["role"]
             if role not in self._role_ids:
                 raise SampleRejected("bad_conversation", f"unknown role {role!r}")
             is_reply = role == "assistant"
             head = [t.im_start] + self._role_ids[role]
             ids += head
             supervised += [False] * len(head)
-            pieces = content.split(IMAGE_MARKER)
-            for k, piece in enumerate(pieces):
-                if k > 0:
-                    if is_reply:
-                        raise SampleRejected("image_count_mismatch", "image marker inside an assistant reply")
-                    if next_image >= len(image_tokens):
-                        raise SampleRejected("image_count_mismatch", f"more <image> markers than {len(image_tokens)} images")
-                    span = [t.vision_start] + [t.image_pad] * image_tokens[next_image] + [t.vision_end]
-                    next_image += 1
-                    ids += span
-                    supervised += [False] * len(span)
-                text_ids = self._text(piece)
+            text = ""  # adjacent text parts are tokenized together, as the rendered string would be
+            for part in list(msg["content"]) + [None]:
+                if isinstance(part, str):
+                    text += part
+                    continue
+                text_ids = self._text(text)
                 ids += text_ids
                 supervised += [is_reply] * len(text_ids)
+                text = ""
+                if part is None:
+                    break
+                if part is not IMAGE:
+                    raise SampleRejected("bad_conversation", f"content part {part!r} is neither text nor an image")
+                if role != "user":
+                    raise SampleRejected("image_count_mismatch", f"an image inside a {role} turn")
+                if next_image >= len(image_tokens):
+                    raise SampleRejected("image_count_mismatch", f"more image places than {len(image_tokens)} images")
+                span = [t.vision_start] + [t.image_pad] * image_tokens[next_image] + [t.vision_end]
+                next_image += 1
+                ids += span
+                supervised += [False] * len(span)
             ids += [t.im_end]
             supervised += [is_reply]
             ids += self._newline
             supervised += [False] * len(self._newline)
         if next_image != len(image_tokens):
-            raise SampleRejected("image_count_mismatch", f"{len(image_tokens)} images, {next_image} <image> markers")
+            raise SampleRejected("image_count_mismatch", f"{len(image_tokens)} images, {next_image} image places")
         if not any(supervised):
             raise SampleRejected("no_assistant_reply")
         input_ids = np.asarray(ids, dtype=np.int32)
@@ -120,22 +134,3 @@ class ChatMLEncoder:
         labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
         labels[:-1] = np.where(sup[1:], input_ids[1:], IGNORE_INDEX)
         return input_ids, labels
-
-
-def normalize_conversation(doc) -> list[dict]:
-    """Accept ``{"messages": [...]}``, a bare list, or LLaVA ``conversations`` with from/value."""
-    if isinstance(doc, dict):
-        doc = doc.get("messages", doc.get("conversations"))
-    if not isinstance(doc, list) or not doc:
-        raise SampleRejected("bad_conversation", "expected a list of messages")
-    roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
-    out = []
-    for m in doc:
-        if not isinstance(m, dict):
-            raise SampleRejected("bad_conversation", "message is not an object")
-        role = roles.get(str(m.get("role", m.get("from", ""))))
-        content = m.get("content", m.get("value"))
-        if role is None or not isinstance(content, str):
-            raise SampleRejected("bad_conversation", f"message needs role and string content: {str(m)[:80]}")
-        out.append({"role": role, "content": content})
-    return out

@@ -11,7 +11,8 @@ import numpy as np
 
 from datasvc.registry import PipelineLayout
 from datasvc.shards import RawSample
-from datasvc.text import ChatMLEncoder, ChatTokens, SampleRejected, load_tokenizer, normalize_conversation
+from datasvc.formats import sample_messages
+from datasvc.text import ChatMLEncoder, ChatTokens, load_tokenizer
 from datasvc.vision import VisionSpec
 
 TOKENS = ChatTokens(
@@ -42,19 +43,12 @@ class Qwen3VLPipeline:
         self.options = options
         self.vision = _vision(options)
         self.tokenizer = load_tokenizer(options.tokenizer)
-        self.chat = ChatMLEncoder(self.tokenizer, TOKENS, options.caption_prompt)
+        self.chat = ChatMLEncoder(self.tokenizer, TOKENS)
 
     def encode(self, raw: RawSample, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Any accepted sample shape (``datasvc.formats``) as Qwen3-VL ChatML."""
         image_tokens = [self.vision.vision_tokens(g) for g in grids]
-        if raw.conversation is not None:
-            messages = normalize_conversation(raw.conversation)
-        elif raw.text is not None:
-            caption = raw.text.strip()
-            if not caption:
-                raise SampleRejected("missing_text", "empty caption")
-            messages = self.chat.caption_messages(caption, len(grids))
-        else:
-            raise SampleRejected("missing_text", "no txt or json member")
+        messages = sample_messages(raw, len(grids), self.options.caption_prompt)
         return self.chat.encode(messages, image_tokens)
 
 

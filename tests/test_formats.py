@@ -1,0 +1,228 @@
+"""The sample shapes users bring (img2dataset / LAION metadata, LLaVA, ShareGPT, OpenAI / HF chat parts,
+system prompts, interleaved images), their exact ChatML, and the filters they apply."""
+import json
+import os
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from datasvc.batch import IGNORE_INDEX
+from datasvc.config import ServiceConfig
+from datasvc.filters import Rule, SampleRules, rules_from_flags
+from datasvc.process import WorkItem, process_item
+from datasvc.samples import encode_image, real_photos
+from datasvc.shards import RawSample, ReadLimits, index_shard, read_samples
+
+# Qwen3-VL-Instruct's chat template (its chat_template.json, not shipped in any installed package)
+# for what these samples use: no default system turn; per message "<|im_start|>role\n", the content
+# (a string verbatim, or its parts: an image part is one vision span, a text part its text), then
+# "<|im_end|>\n". Qwen3VLProcessor then repeats each <|image_pad|> once per vision token.
+QWEN3_VL_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}")
+VS, VE, PAD = 151652, 151653, 151655
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from datasvc.text import bundled_qwen3_tokenizer_dir
+
+    return PreTrainedTokenizerFast(tokenizer_file=os.path.join(bundled_qwen3_tokenizer_dir(), "tokenizer.json"))
+
+
+def hf_ids(hf_tokenizer, messages, image_tokens):
+    text = hf_tokenizer.apply_chat_template(messages, chat_template=QWEN3_VL_TEMPLATE, tokenize=False)
+    pieces = text.split("<|image_pad|>")
+    assert len(pieces) == len(image_tokens) + 1
+    text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(image_tokens, pieces[1:]))
+    return hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def image_token_counts(qwen3vl, grids):
+    return [qwen3vl.vision.vision_tokens(g) for g in grids]
+
+
+OPENAI = {"messages": [
+    {"role": "system", "content": [{"type": "text", "text": "You compare photographs."}]},
+    {"role": "user", "content": [{"type": "text", "text": "Here is one: "}, {"type": "image"},
+                                 {"type": "text", "text": " and another "}, {"type": "image"},
+                                 {"type": "text", "text": "\nWhich is brighter?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "The first."}]},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this <image> one?"}]},
+    {"role": "assistant", "content": "Darker than both."}]}
+
+
+def test_openai_parts_match_the_qwen3_vl_template_exactly(qwen3vl, hf_tokenizer):
+    grids = [(1, 4, 6), (1, 2, 2), (1, 6, 4)]
+    ids, labels = qwen3vl.encode(RawSample("s", "k", [], None, OPENAI), grids)
+    assert ids.tolist() == hf_ids(hf_tokenizer, OPENAI["messages"], image_token_counts(qwen3vl, grids))
+    # Pads land where the parts are, in order: 6, then 1, then 6 vision tokens.
+    starts = np.flatnonzero(ids == VS)
+    assert [int(np.flatnonzero(ids[s:] == VE)[0]) - 1 for s in starts] == [6, 1, 6]
+    # The literal "<image>" in a text part stays text; only the replies (and their im_end) are supervised.
+    assert "And this <image> one?" in qwen3vl.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+    targets = qwen3vl.tokenizer.decode([int(t) for t in labels if t != IGNORE_INDEX], skip_special_tokens=False)
+    assert targets == "The first.<|im_end|>Darker than both.<|im_end|>"
+
+
+def test_llava_and_sharegpt_render_as_the_same_chat(qwen3vl, hf_tokenizer):
+    llava = {"id": "000000033471", "image": "coco/train2017/000000033471.jpg", "conversations": [
+        {"from": "human", "value": "<image>\nWhat are the colors of the bus?"},
+        {"from": "gpt", "value": "The bus is white and red."},
+        {"from": "human", "value": "Compare it with <image>"},
+        {"from": "gpt", "value": "Both are buses."}]}
+    sharegpt = {"system": "Answer briefly.", "conversations": [
+        {"from": "human", "value": "<image>Describe."}, {"from": "gpt", "value": "A cat."}]}
+    grids = [(1, 2, 4), (1, 4, 4)]
+    ids, _ = qwen3vl.encode(RawSample("s", "k", [], None, llava), grids)
+    as_parts = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\nWhat are the colors of the bus?"}]},
+        {"role": "assistant", "content": "The bus is white and red."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare it with "}, {"type": "image"}]},
+        {"role": "assistant", "content": "Both are buses."}]
+    assert ids.tolist() == hf_ids(hf_tokenizer, as_parts, image_token_counts(qwen3vl, grids))
+    ids, _ = qwen3vl.encode(RawSample("s", "k", [], None, sharegpt), [(1, 2, 2)])
+    expected = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]},
+                {"role": "assistant", "content": "A cat."}]
+    assert ids.tolist() == hf_ids(hf_tokenizer, expected, [1])
+
+
+def test_caption_is_text_even_with_a_literal_image_marker(qwen3vl, hf_tokenizer):
+    raw = RawSample("s", "k", [], "A sign that reads <image> in red.", None)
+    ids, _ = qwen3vl.encode(raw, [(1, 2, 4)])
+    expected = [{"role": "user", "content": [{"type": "image"}]},
+                {"role": "assistant", "content": "A sign that reads <image> in red."}]
+    assert ids.tolist() == hf_ids(hf_tokenizer, expected, [2])
+
+
+def test_a_conversation_without_placeholders_gets_its_images_first(qwen3vl):
+    convo = {"messages": [{"role": "user", "content": "Describe."}, {"role": "assistant", "content": "Two cats."}]}
+    ids, _ = qwen3vl.encode(RawSample("s", "k", [], None, convo), [(1, 2, 2), (1, 2, 4)])
+    first_text = int(np.flatnonzero(ids == VE)[-1]) + 1
+    assert (ids[:first_text] == PAD).sum() == 3 and (ids == VS).sum() == 2
+
+
+@pytest.mark.parametrize("doc, n_images, reason", [
+    ({"conversations": [{"from": "human", "value": "<image><image>Hi"}, {"from": "gpt", "value": "Yo"}]}, 1,
+     "image_count_mismatch"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]}, 2,
+     "image_count_mismatch"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<image> a"}]}, 0,
+     "image_count_mismatch"),
+    ({"messages": [{"role": "system", "content": [{"type": "image"}]}, {"role": "user", "content": "q"},
+                   {"role": "assistant", "content": "a"}]}, 1, "image_count_mismatch"),
+    ({"messages": [{"role": "tool", "content": "q"}]}, 0, "bad_conversation"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 0, "bad_conversation"),
+    ({"messages": [{"role": "user", "content": 3}]}, 0, "bad_conversation"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, 0, "no_assistant_reply"),
+    ([1, 2], 0, "bad_conversation"),
+    ("a string", 0, "bad_conversation"),
+])
+def test_broken_conversations_have_their_reason(qwen3vl, doc, n_images, reason):
+    from datasvc.text import SampleRejected
+
+    with pytest.raises(SampleRejected) as exc:
+        qwen3vl.encode(RawSample("s", "k", [], None, doc), [(1, 2, 2)] * n_images)
+    assert exc.value.reason == reason
+
+
+def write_img2dataset_shard(path, photos):
+    """The img2dataset layout: key.jpg + key.txt + key.json (metadata), as LAION/DataComp/CC12M ship."""
+    with wds.TarWriter(path) as sink:
+        for i, (name, img, caption) in enumerate(photos):
+            meta = {"url": f"https://example.com/{name}.jpg", "caption": caption, "key": f"{i:09d}",
+                    "status": "success" if i % 4 else "failed_to_resize", "width": int(img.shape[1]),
+                    "height": int(img.shape[0]), "similarity": round(0.2 + 0.02 * i, 3), "error_message": None}
+            sample = {"__key__": f"{i:09d}", "jpg": encode_image(img[..., :3] if img.ndim == 3 else img),
+                      "json": json.dumps(meta).encode()}
+            if i % 3:  # some have the .txt, the others only the JSON caption
+                sample["txt"] = caption
+            sink.write(sample)
+
+
+@pytest.fixture(scope="module")
+def laion_shard(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("laion") / "00000.tar")
+    photos = [p for p in real_photos() if p[1].ndim == 3 and p[1].shape[2] == 3][:10]
+    write_img2dataset_shard(path, photos)
+    return path, photos
+
+
+def test_img2dataset_shard_is_read_with_its_metadata(laion_shard, qwen3vl, cpu_decoder):
+    path, photos = laion_shard
+    idx = index_shard(path)
+    raws = list(read_samples(path, idx.samples, ReadLimits()))
+    assert [r.text for r in raws] == [c for _, _, c in photos]
+    assert all(r.conversation is None and r.metadata["url"].endswith(".jpg") for r in raws)
+    res = process_item(WorkItem(path, 0, tuple(idx.samples)), qwen3vl, cpu_decoder)
+    assert len(res.samples) == 10 and not res.accounting.quarantined
+    assert res.accounting.balanced(in_flight=len(res.samples))
+
+
+def test_filters_skip_by_rule_and_name_it(laion_shard, qwen3vl, cpu_decoder):
+    path, photos = laion_shard
+    idx = index_shard(path)
+    rules = SampleRules.parse(rules_from_flags(["similarity>=0.28", 'status == "success"'], min_image_side=300))
+    res = process_item(WorkItem(path, 0, tuple(idx.samples)), qwen3vl, cpu_decoder, ReadLimits(), rules)
+    expected = {}
+    for i, (_, img, _) in enumerate(photos):
+        if not 0.2 + 0.02 * i >= 0.28:
+            why = "filter:similarity>=0.28"
+        elif not i % 4:
+            why = "filter:status==success"
+        elif min(img.shape[:2]) < 300:
+            why = "filter:image_min_side>=300"
+        else:
+            continue
+        expected[why] = expected.get(why, 0) + 1
+    assert dict(res.accounting.skipped_by_rule) == expected and not res.accounting.quarantined
+    assert len(res.samples) == 10 - sum(expected.values()) > 0
+    assert res.accounting.balanced(in_flight=len(res.samples))
+
+
+def raw_with(images=(), text="a caption", metadata=None, conversation=None):
+    return RawSample("s", "k", list(images), text, conversation, metadata=metadata or {})
+
+
+def test_rules_on_images_captions_and_metadata():
+    wide = encode_image(np.zeros((40, 200, 3), np.uint8))
+    square = encode_image(np.zeros((100, 100, 3), np.uint8))
+    check = lambda specs, raw: SampleRules.parse(specs).check(raw)
+    assert check(["image_aspect<=3"], raw_with([("jpg", square), ("jpg", wide)])) == "filter:image_aspect<=3"
+    assert check(["image_aspect<=5", "image_max_side<=200"], raw_with([("jpg", wide)])) is None
+    assert check(["image_min_side>=64"], raw_with([("jpg", wide)])) == "filter:image_min_side>=64"
+    assert check(["image_min_side>=64"], raw_with()) is None  # no images: not the image rules' to judge
+    assert check(["caption_chars>=10"], raw_with(text="short")) == "filter:caption_chars>=10"
+    convo = {"messages": [{"role": "user", "content": "a long question here"}, {"role": "assistant", "content": "ok"}]}
+    assert check(["caption_chars<=2"], raw_with(text=None, conversation=convo)) is None
+    assert check(["similarity>=0.28"], raw_with(metadata={"similarity": "0.3"})) is None
+    assert check(["similarity>=0.28"], raw_with(metadata={})) == "filter:similarity>=0.28"  # lacking fails
+    assert check(["similarity>=0.28"], raw_with(metadata={"similarity": "n/a"})) == "filter:similarity>=0.28"
+    assert check(["status!=failed"], raw_with(metadata={"status": "success"})) is None
+    assert check(["exif.Make==Canon"], raw_with(metadata={"exif": {"Make": "Canon"}})) is None
+    assert check(["images==1"], raw_with([("jpg", square)])) is None
+    assert Rule.parse(" similarity >= 0.28 ").text == "similarity>=0.28"
+
+
+@pytest.mark.parametrize("spec", ["similarity", "similarity >= ", "__import__('os')>=1", "status>success",
+                                  "image_min_side==big", "a=>1"])
+def test_bad_rules_fail_fast_naming_the_rule(spec):
+    with pytest.raises(ValueError, match="filter"):
+        ServiceConfig(shards=("x.tar",), filters=(spec,))
+
+
+def test_filters_are_part_of_the_fingerprint():
+    plain = ServiceConfig(shards=("x.tar",))
+    assert plain.fingerprint() == ServiceConfig(shards=("x.tar",), filters=()).fingerprint()
+    assert plain.fingerprint() != ServiceConfig(shards=("x.tar",), filters=("status==success",)).fingerprint()
