@@ -142,16 +142,38 @@ class SampleRules:
         return None
 
 
-def rules_from_flags(filters=(), min_image_side: int | None = None, max_image_side: int | None = None,
-                     max_aspect: float | None = None, min_caption_chars: int | None = None,
-                     max_caption_chars: int | None = None) -> tuple[str, ...]:
-    """Command-line shorthands -> rule strings (what ``ServiceConfig.filters`` holds)."""
-    out = list(filters)
-    for value, rule in ((min_image_side, "image_min_side>={}"), (max_image_side, "image_max_side<={}"),
-                        (max_aspect, "image_aspect<={}"), (min_caption_chars, "caption_chars>={}"),
-                        (max_caption_chars, "caption_chars<={}")):
-        if value is not None:
-            out.append(rule.format(value))
+_SHORTHANDS = (("min_image_side", "image_min_side>={}", int), ("max_image_side", "image_max_side<={}", int),
+               ("max_aspect", "image_aspect<={}", float), ("min_caption_chars", "caption_chars>={}", int),
+               ("max_caption_chars", "caption_chars<={}", int))
+
+
+def rules_from_flags(filters=(), **shorthands) -> tuple[str, ...]:
+    """Rule strings and the shorthands (``min_image_side=64`` -> ``image_min_side>=64``) -> what
+    ``ServiceConfig.filters`` holds, each rule checked (a bad one fails here, named)."""
+    unknown = set(shorthands) - {name for name, _, _ in _SHORTHANDS}
+    if unknown:
+        raise ValueError(f"unknown filter shorthands {sorted(unknown)}")
+    out = list(filters or ())
+    for name, rule, _kind in _SHORTHANDS:
+        if shorthands.get(name) is not None:
+            out.append(rule.format(shorthands[name]))
     for spec in out:
-        Rule.parse(spec)  # fail fast, naming the bad rule
+        Rule.parse(spec)
     return tuple(out)
+
+
+def add_filter_flags(parser) -> None:
+    """``--filter RULE`` (repeatable) and the shorthands, on an argparse parser or group."""
+    parser.add_argument("--filter", action="append", default=[], metavar="RULE", dest="filters",
+                        help="keep samples where RULE holds, e.g. 'similarity>=0.28', 'status==success' "
+                             "(repeatable; fields: metadata keys, image_min_side, image_max_side, image_aspect, "
+                             "caption_chars, images); the others count as skipped_by_rule")
+    for name, rule, kind in _SHORTHANDS:
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"shorthand for --filter '{rule.format(name.upper())}'")
+
+
+def filters_from_flags(args) -> tuple[str, ...]:
+    """The rules that ``add_filter_flags``' flags ask for (``args``: the parsed namespace)."""
+    return rules_from_flags(getattr(args, "filters", ()), **{name: getattr(args, name, None)
+                                                            for name, _, _ in _SHORTHANDS})

@@ -226,3 +226,19 @@ def test_filters_are_part_of_the_fingerprint():
     plain = ServiceConfig(shards=("x.tar",))
     assert plain.fingerprint() == ServiceConfig(shards=("x.tar",), filters=()).fingerprint()
     assert plain.fingerprint() != ServiceConfig(shards=("x.tar",), filters=("status==success",)).fingerprint()
+
+
+def test_command_line_flags_become_rules():
+    import argparse
+
+    from datasvc.filters import add_filter_flags, filters_from_flags
+
+    parser = argparse.ArgumentParser()
+    add_filter_flags(parser)
+    args = parser.parse_args(["--filter", "similarity>=0.28", "--filter", "status==success",
+                              "--min-image-side", "64", "--max-aspect", "3"])
+    assert filters_from_flags(args) == ("similarity>=0.28", "status==success", "image_min_side>=64",
+                                        "image_aspect<=3.0")
+    assert filters_from_flags(parser.parse_args([])) == ()
+    with pytest.raises(ValueError, match="filter"):
+        filters_from_flags(parser.parse_args(["--filter", "similarity"]))
