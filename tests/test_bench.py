@@ -1,4 +1,4 @@
-"""``python -m datasvc.bench`` subcommands at tiny sizes: the JSON has its fields and sane numbers.
+"""``vlmfeed bench`` subcommands at tiny sizes: the JSON has its fields and sane numbers.
 No timing targets are asserted here: the benchmark is not a timed test."""
 import json
 import os
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_bench(args, tmp_path, timeout=180):
     env = dict(os.environ, PYTHONPATH=ROOT, VLMFEED_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "datasvc.bench", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "datasvc.tools.bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
@@ -57,7 +57,7 @@ def test_bench_decode_tiny(tmp_path):
 
 def test_bench_service_tiny(tmp_path, ray_local, monkeypatch, capsys):
     # In this process, on the session's local Ray (2 CPUs), through the command-line entry point.
-    from datasvc.bench import main
+    from datasvc.tools.bench.cli import main
 
     monkeypatch.setenv("VLMFEED_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "service.json"
@@ -106,7 +106,7 @@ def test_unknown_only_case_fails_fast_naming_the_choices(capsys):
 
 def test_sizing_bench_measures_the_probe_against_the_whole_set(photo_shards, tmp_path, capsys):
     """A probe that reads every sample has no error; a small one reads only its share and strays."""
-    from datasvc.bench import main
+    from datasvc.tools.bench.cli import main
 
     out = tmp_path / "sizing.json"
     assert main(["sizing", *photo_shards, "--probe-samples", "8", "48", "--seeds", "3", "--out", str(out)]) == 0

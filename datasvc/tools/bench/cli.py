@@ -1,0 +1,100 @@
+"""Benchmarks: ``vlmfeed bench decode|service|soak|sizing`` (``python -m datasvc.tools.bench``).
+
+    vlmfeed bench decode  [--images N] [--max-pixels P] [--synth N] [--out results.json]
+    vlmfeed bench service [--max-actors N] [--samples N] [--out results.json]
+    vlmfeed bench soak    [--minutes M] [--kill-every S]
+    vlmfeed bench sizing  [SHARDS ...] [--probe-samples 64 128 256] [--seeds 8]
+
+``decode``: per-core decode / preprocess throughput against raw decode and the HF processors, and
+packing efficiency (``bench.decode``). ``service``: the Ray-streamed path with 1..N actors against
+the in-process path (``bench.service``). ``soak``: stream good and hostile shards while killing
+actors, and count what is lost (``bench.soak``). ``sizing``: block sizing's estimate against the
+whole set, per probe size (``bench.sizing``). Each subcommand imports only what it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vlmfeed bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("decode", help="per-core decode / preprocess throughput, and packing efficiency")
+    d.add_argument("--images", type=int, default=40, help="real-photo JPEGs to build (0.3-4 MP)")
+    d.add_argument("--synth", type=int, default=0, help="also this many synthetic web-photos JPEGs")
+    d.add_argument("--max-pixels", type=int, default=16777216)
+    d.add_argument("--mp-range", type=float, nargs=2, default=(0.3, 4.0), metavar=("MIN", "MAX"),
+                   help="megapixel range of the photo set")
+    d.add_argument("--min-pixels", type=int, default=65536)
+    d.add_argument("--repeats", type=int, default=2, help="passes per contender (best is kept)")
+    d.add_argument("--pack-synth", type=int, default=200,
+                   help="synthetic web-photo samples added to the photo shards for packing (-1: no packing)")
+    d.add_argument("--pack-copies", type=int, default=2, help="copies of the real-photo shards for packing")
+    d.add_argument("--skip-hf-pil", action="store_true", help="skip the slow PIL-backend HF processor")
+    d.add_argument("--out", default="bench-decode.json", help="JSON; a PNG of the same name goes beside it")
+    s = sub.add_parser("service", help="Ray-streamed throughput vs actors, and vs in-process")
+    s.add_argument("--max-actors", type=int, default=None, help="default: the CPU count")
+    s.add_argument("--samples", type=int, default=200)
+    s.add_argument("--seq-len", type=int, default=4096)
+    s.add_argument("--max-pixels", type=int, default=16777216)
+    s.add_argument("--samples-per-item", type=int, default=8)
+    s.add_argument("--epochs", type=int, default=2, help="epochs streamed per actor count (steady state)")
+    s.add_argument("--out", default="bench-service.json")
+    k = sub.add_parser("soak", help="stream good and hostile shards for N minutes while killing actors")
+    k.add_argument("--minutes", type=float, default=10.0)
+    k.add_argument("--kill-every", type=float, default=20.0, help="seconds between injected faults")
+    k.add_argument("--out", default="bench-soak.json")
+    z = sub.add_parser("sizing", help="how close block sizing's tokens-per-sample estimate comes, per probe size")
+    z.add_argument("shards", nargs="*", help="default: the real-large photo crops")
+    z.add_argument("--probe-samples", type=int, nargs="+", default=[64, 128, 256])
+    z.add_argument("--seeds", type=int, default=8)
+    z.add_argument("--mbs", type=int, default=8)
+    z.add_argument("--max-pixels", type=int, default=1048576)
+    z.add_argument("--out", default="bench-sizing.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+
+    if args.cmd == "soak":
+        from datasvc.tools.bench.soak import soak
+
+        rep = soak(args.minutes, out=args.out, kill_every_s=args.kill_every)
+        return 0 if rep["samples_lost"] == 0 and rep["samples_duplicated"] == 0 else 1
+
+    if args.cmd == "sizing":
+        from datasvc.samples import large_shards
+        from datasvc.tools.bench.sizing import bench_sizing, print_sizing
+
+        rep = bench_sizing(args.shards or large_shards(), tuple(args.probe_samples), args.seeds, args.max_pixels,
+                           micro_batch_size=args.mbs)
+        print_sizing(rep)
+    elif args.cmd == "decode":
+        from datasvc.tools.bench.decode import bench_decode, plot_decode, print_decode
+
+        rep = bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
+                           synth=args.synth, repeats=args.repeats, pack_synth=args.pack_synth,
+                           skip_hf_pil=args.skip_hf_pil, mp_range=tuple(args.mp_range), pack_copies=args.pack_copies)
+        print_decode(rep)
+        plot_decode(rep, os.path.splitext(args.out)[0] + ".png")
+        print(f"wrote {os.path.splitext(args.out)[0]}.png")
+    else:
+        from datasvc.tools.bench.service import bench_service, print_service
+
+        rep = bench_service(max_actors=args.max_actors, samples=args.samples, seq_len=args.seq_len,
+                            max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,
+                            epochs=args.epochs)
+        print_service(rep)
+    with open(args.out, "w") as f:
+        json.dump(rep, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Per-core decode and preprocess throughput: ``vlmfeed bench decode``.
+
+Every contender runs on one thread (OpenCV, torch, DALI each pinned to one, for the measurement
+only), on the same set of realistic JPEG photos (0.3-4 MP, q90, built from the real photographs
+shipped in installed wheels), and reports images/s and MP/s (source megapixels) for:
+
+  (a) raw decode only: torchvision.io.decode_jpeg (libjpeg-turbo), PIL, DALI CPU;
+  (b) the HF Qwen2-VL image processor at the pipeline's settings on PIL images decoded from the
+      bytes (decode included), both the torchvision backend and the PIL backend of transformers 5.x;
+  (c) our CPU path: ``preprocess_images`` to uint8 pixel rows (what the preprocessing actors do
+      and what travels through the object store), and on to the model's float ``pixel_values``
+      with ``to_pixel_values`` on the CPU (what a rank without a GPU adds); as a baseline in the
+      same run (c-), the actors' work when they also put the rows in patch order.
+
+and a per-stage profile of (c) (probe, decode, resize, then the consumer's patch order and
+normalize), and packing efficiency against padding every sample to ``seq_len`` (``packing``).
+Numbers are wall-clock on whatever machine runs them; nothing here asserts a target.
+"""
+from __future__ import annotations
+
+import io
+import os
+import platform
+import time
+
+import numpy as np
+from PIL import Image
+
+from datasvc.tools.bench.packing import packing_bench
+from datasvc.tools.bench.photos import Photo, one_thread, photo_set, synth_photos
+
+GOAL_VS_DECODE = 0.6
+GOAL_VS_HF = 5.0
+
+
+def _time_passes(fn, photos: list[Photo], repeats: int) -> float:
+    """Best wall time of ``repeats`` passes of ``fn`` over all photos (after a warm-up)."""
+    fn(photos[:2])
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn(photos)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def paired_cpu_ratio(fast, slow, photos: list[Photo], rounds: int = 7) -> dict:
+    """Process CPU seconds of ``fast`` and ``slow`` over the photos, alternated for ``rounds`` rounds
+    (which goes first alternates too), so load from elsewhere lands on both alike; per-round
+    ``slow / fast`` ratios, their median and range."""
+    fast(photos[:2])
+    slow(photos[:2])
+    secs: dict = {fast: [], slow: []}
+    for r in range(rounds):
+        for fn in ((fast, slow) if r % 2 == 0 else (slow, fast)):
+            t0 = time.process_time()
+            fn(photos)
+            secs[fn].append(time.process_time() - t0)
+    ratios = [b / a for a, b in zip(secs[fast], secs[slow])]
+    return {"rounds": rounds, "fast_cpu_s_median": round(float(np.median(secs[fast])), 4),
+            "slow_cpu_s_median": round(float(np.median(secs[slow])), 4),
+            "ratio_median": round(float(np.median(ratios)), 3),
+            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)}
+
+
+def _torchvision_decode(photos):
+    import torch
+    from torchvision.io import decode_jpeg
+
+    for p in photos:
+        decode_jpeg(torch.frombuffer(bytearray(p.data), dtype=torch.uint8))
+
+
+def _pil_decode(photos):
+    for p in photos:
+        im = Image.open(io.BytesIO(p.data))
+        im.load()
+        np.asarray(im)
+
+
+class _DaliDecode:
+    """DALI CPU decode, one thread, in batches like the service's CpuDecoder does."""
+
+    def __init__(self, batch: int = 16):
+        from datasvc.decode import CpuDecoder
+
+        self.decoder = CpuDecoder(num_threads=1, max_batch=batch)
+        self.batch = batch
+
+    def __call__(self, photos):
+        for i in range(0, len(photos), self.batch):
+            self.decoder._dali([p.data for p in photos[i:i + self.batch]])
+
+
+def hf_processors(spec) -> dict:
+    import transformers
+
+    kw = dict(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.merge_size,
+              image_mean=list(spec.image_mean), image_std=list(spec.image_std),
+              min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    procs = {"hf_qwen2vl_torchvision": transformers.Qwen2VLImageProcessor(**kw)}
+    pil_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None)
+    if pil_cls is not None and pil_cls is not transformers.Qwen2VLImageProcessor:
+        procs["hf_qwen2vl_pil"] = pil_cls(**kw)
+    return procs
+
+
+def _hf_run(proc):
+    def run(photos):
+        for p in photos:
+            im = Image.open(io.BytesIO(p.data))
+            proc(images=[im], return_tensors="np")
+    return run
+
+
+def _ours(spec, decoder, chunk: int, finish=None):
+    """Our path on ``chunk`` images at a time; ``finish(rows, grid)`` runs on each image's rows."""
+    from datasvc.process import preprocess_images
+
+    def run(photos):
+        for i in range(0, len(photos), chunk):
+            for res in preprocess_images([p.data for p in photos[i:i + chunk]], spec, decoder):
+                if not isinstance(res, tuple):
+                    raise RuntimeError(f"our path rejected a benchmark photo: {res}")
+                if finish:
+                    finish(*res)
+    return run
+
+
+def _patch_order(rows: np.ndarray, grid, spec) -> np.ndarray:
+    from datasvc.vision import patchify
+
+    _, gh, gw = grid
+    return patchify(rows.reshape(gh * spec.patch_size, gw * spec.patch_size, 3), spec)
+
+
+def profile_ours(photos: list[Photo], spec, decoder) -> dict:
+    """Seconds per stage of our CPU path, summed over the photos (one pass, after a warm-up): the
+    actors' probe, decode and resize, then ``to_pixel_values`` (patch order and normalize)."""
+    from datasvc.decode import DecodeJob, probe, resize_uint8
+    from datasvc.vision import pixel_rows, to_pixel_values
+
+    secs = dict(probe=0.0, decode=0.0, resize=0.0, to_pixel_values=0.0)
+    chunk = 16
+    for timed, subset in ((False, photos[:2]), (True, photos)):
+        for i in range(0, len(subset), chunk):
+            part = subset[i:i + chunk]
+            t0 = time.perf_counter()
+            jobs = []
+            for p in part:
+                h = probe(p.data, spec.max_decode_pixels)
+                jobs.append(DecodeJob(p.data, h, spec.target_size(h.height, h.width)))
+            t1 = time.perf_counter()
+            full = decoder._dali([j.data for j in jobs])
+            t2 = time.perf_counter()
+            rows = [pixel_rows(resize_uint8(img, j.target_hw), spec) for img, j in zip(full, jobs)]
+            t3 = time.perf_counter()
+            for r, j in zip(rows, jobs):
+                to_pixel_values(r, spec, [j.grid(spec)])
+            t4 = time.perf_counter()
+            if timed:
+                for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    secs[k] += dt
+    total = sum(secs.values())
+    return {k: {"seconds": round(v, 4), "share": round(v / total, 3) if total else 0.0} for k, v in secs.items()}
+
+
+def _resize_stats(photos: list[Photo], spec) -> dict:
+    up = down = same = 0
+    for p in photos:
+        th, tw = spec.target_size(p.height, p.width)
+        if (th, tw) == (p.height, p.width):
+            same += 1
+        elif th * tw > p.height * p.width:
+            up += 1
+        else:
+            down += 1
+    return {"upscaled": up, "downscaled": down, "unchanged": same}
+
+
+def _contenders(spec, decoder, skip_hf_pil: bool) -> dict[str, tuple[str, object]]:
+    """name -> (group, run over photos): (a) raw decode, (b) HF processors, (c) ours, (c-) the
+    actors' work when they also put the rows in patch order, as a baseline."""
+    from datasvc.vision import to_pixel_values
+
+    runs: dict[str, tuple[str, object]] = {
+        "torchvision_decode_jpeg": ("a", _torchvision_decode),
+        "pil_decode": ("a", _pil_decode),
+        "dali_cpu_decode": ("a", _DaliDecode()),
+    }
+    for name, proc in hf_processors(spec).items():
+        if skip_hf_pil and name == "hf_qwen2vl_pil":
+            continue
+        runs[name] = ("b", _hf_run(proc))
+    runs["ours_pixel_values"] = ("c", _ours(spec, decoder, 16, lambda rows, grid: to_pixel_values(rows, spec, [grid])))
+    runs["ours_uint8_pixel_rows"] = ("c", _ours(spec, decoder, 16))
+    runs["baseline_uint8_patch_order"] = ("c-", _ours(spec, decoder, 16, lambda rows, grid: _patch_order(rows, grid, spec)))
+    return runs
+
+
+def _ratios(results: dict) -> tuple[str, str, dict, dict]:
+    """(fastest decode, fastest HF, our paths' ratios against them, the goals and whether met)."""
+    fastest_a = max((k for k, v in results.items() if v["group"] == "a"), key=lambda k: results[k]["images_per_s"])
+    fastest_b = max((k for k, v in results.items() if v["group"] == "b"), key=lambda k: results[k]["images_per_s"])
+    ratios = {}
+    for c in ("ours_pixel_values", "ours_uint8_pixel_rows", "baseline_uint8_patch_order"):
+        rc = results[c]["images_per_s"]
+        ratios[c] = {
+            "vs_fastest_decode": round(rc / results[fastest_a]["images_per_s"], 3),
+            "vs_fastest_hf": round(rc / results[fastest_b]["images_per_s"], 3),
+            **({"vs_hf_pil": round(rc / results["hf_qwen2vl_pil"]["images_per_s"], 2)}
+               if "hf_qwen2vl_pil" in results else {}),
+        }
+    goals = {
+        "vs_fastest_decode": GOAL_VS_DECODE, "vs_fastest_hf": GOAL_VS_HF,
+        "met_vs_decode": ratios["ours_pixel_values"]["vs_fastest_decode"] >= GOAL_VS_DECODE,
+        "met_vs_hf": ratios["ours_pixel_values"]["vs_fastest_hf"] >= GOAL_VS_HF,
+    }
+    return fastest_a, fastest_b, ratios, goals
+
+
+def _photo_summary(photos: list[Photo], images: int, spec, build_s: float) -> dict:
+    mps = [p.megapixels for p in photos]
+    mp_total = sum(mps)
+    return {"count": len(photos), "from_real": images, "from_synth": len(photos) - images,
+            "megapixels_total": round(mp_total, 3), "megapixels_min": round(min(mps), 3),
+            "megapixels_mean": round(float(np.mean(mps)), 3), "megapixels_max": round(max(mps), 3),
+            "bytes_per_pixel": round(sum(len(p.data) for p in photos) / (mp_total * 1e6), 4),
+            "resize": _resize_stats(photos, spec), "build_seconds": round(build_s, 2)}
+
+
+def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int = 65536, synth: int = 0,
+                 repeats: int = 2, pack_synth: int = 200, skip_hf_pil: bool = False, seed: int = 0,
+                 mp_range: tuple[float, float] = (0.3, 4.0), pack_copies: int = 2,
+                 pipeline: str = "qwen3vl") -> dict:
+    from datasvc.decode import CpuDecoder
+    from datasvc.registry import get_layout
+
+    spec = get_layout(pipeline, min_pixels=min_pixels, max_pixels=max_pixels).vision
+    t0 = time.perf_counter()
+    photos = photo_set(images, seed=seed, min_mp=mp_range[0], max_mp=mp_range[1]) + \
+        synth_photos(synth, min_mp=mp_range[0], max_mp=mp_range[1])
+    build_s = time.perf_counter() - t0
+    mp_total = sum(p.megapixels for p in photos)
+    with one_thread():
+        decoder = CpuDecoder(num_threads=1)
+        runs = _contenders(spec, decoder, skip_hf_pil)
+        results = {}
+        for name, (group, fn) in runs.items():
+            # The slow HF PIL processor gets one pass; the rest the best of ``repeats``.
+            secs = _time_passes(fn, photos, 1 if name == "hf_qwen2vl_pil" else repeats)
+            results[name] = {"group": group, "seconds": round(secs, 4),
+                             "images_per_s": round(len(photos) / secs, 2), "mp_per_s": round(mp_total / secs, 2)}
+        prof = profile_ours(photos, spec, decoder)
+        actors = paired_cpu_ratio(runs["ours_uint8_pixel_rows"][1], runs["baseline_uint8_patch_order"][1], photos)
+    fastest_a, fastest_b, ratios, goals = _ratios(results)
+    packing = packing_bench(pack_synth, max_pixels, photo_copies=pack_copies) if pack_synth >= 0 else {}
+    return {
+        "kind": "decode",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_avg_at_start": list(os.getloadavg())},
+        "threads": 1,
+        "vision": {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
+        "photos": _photo_summary(photos, images, spec, build_s),
+        "results": results,
+        "fastest_decode": fastest_a,
+        "fastest_hf": fastest_b,
+        "ratios": ratios,
+        "goals": goals,
+        "profile_ours": prof,
+        "actors_patch_order_over_pixel_rows": actors,
+        "packing": packing,
+    }
+
+
+def plot_decode(rep: dict, path: str) -> None:
+    """Images/s per contender against the goals, and where our path's time goes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"a": "tab:gray", "b": "tab:orange", "c": "tab:green", "c-": "tab:olive"}
+    names = list(rep["results"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    ax.barh(names, [rep["results"][n]["images_per_s"] for n in names],
+            color=[colours.get(rep["results"][n]["group"], "tab:blue") for n in names])
+    ax.invert_yaxis()
+    goals = rep["goals"]
+    fastest_a = rep["results"][rep["fastest_decode"]]["images_per_s"]
+    fastest_b = rep["results"][rep["fastest_hf"]]["images_per_s"]
+    ax.axvline(goals["vs_fastest_decode"] * fastest_a, ls="--", c="k", lw=1,
+               label=f"goal: {goals['vs_fastest_decode']}x fastest decode")
+    ax.axvline(goals["vs_fastest_hf"] * fastest_b, ls=":", c="tab:red", lw=1,
+               label=f"goal: {goals['vs_fastest_hf']:g}x fastest HF")
+    ax.set_xlabel("images/s, one core")
+    ax.set_title(f"{rep['photos']['count']} JPEGs, {rep['photos']['megapixels_min']}-"
+                 f"{rep['photos']['megapixels_max']} MP: (a) decode, (b) HF, (c) ours", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    prof = rep["profile_ours"]
+    left = 0.0
+    for stage, v in prof.items():
+        bx.barh(["ours to\npixel_values"], [v["seconds"]], left=left, label=stage)
+        left += v["seconds"]
+    bx.set_xlabel("seconds for all images, one core")
+    bx.set_title("our path by stage (the rank does to_pixel_values)", fontsize=10)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_decode(rep: dict) -> None:
+    ph = rep["photos"]
+    print(f"\n{ph['count']} JPEG photos, {ph['megapixels_min']}-{ph['megapixels_max']} MP "
+          f"(mean {ph['megapixels_mean']}), {ph['bytes_per_pixel']} B/px; one thread each; "
+          f"max_pixels={rep['vision']['max_pixels']} (resize: {ph['resize']})")
+    print(f"{'':3} {'method':28} {'img/s':>9} {'MP/s':>9} {'x fastest(a)':>13} {'ours(c) / this':>15}")
+    fa = rep["results"][rep["fastest_decode"]]["images_per_s"]
+    ours = rep["results"]["ours_pixel_values"]["images_per_s"]
+    for name, r in rep["results"].items():
+        print(f"({r['group']}) {name:28} {r['images_per_s']:9.2f} {r['mp_per_s']:9.1f} "
+              f"{r['images_per_s'] / fa:13.3f} {ours / r['images_per_s']:15.2f}")
+    g = rep["goals"]
+    for c, rr in rep["ratios"].items():
+        print(f"{c}: {rr['vs_fastest_decode']:.3f}x fastest decode ({rep['fastest_decode']}, goal >= "
+              f"{g['vs_fastest_decode']}), {rr['vs_fastest_hf']:.2f}x fastest HF ({rep['fastest_hf']}, goal >= "
+              f"{g['vs_fastest_hf']})" + (f", {rr['vs_hf_pil']:.1f}x HF PIL" if "vs_hf_pil" in rr else ""))
+    print("profile of ours (pixel_values), share of time: " +
+          ", ".join(f"{k} {v['share'] * 100:.0f}% ({v['seconds']:.3f}s)" for k, v in rep["profile_ours"].items()
+              if "share" in v))
+    a = rep["actors_patch_order_over_pixel_rows"]
+    print(f"the actors' CPU time per image, patch order in the actor over pixel rows: {a['ratio_median']:.2f}x "
+          f"(median of {a['rounds']} alternated rounds, range {a['ratio_min']:.2f}-{a['ratio_max']:.2f})")
+    pk = rep.get("packing") or {}
+    if pk:
+        print(f"\npacking ({pk['sources']}, max_pixels={pk['max_pixels']}, "
+              f"tokens/sample mean {pk['tokens_per_sample']['mean']:.0f}, max {pk['tokens_per_sample']['max']}):")
+        print(f"  {'seq_len':>8} {'packed eff':>11} {'padded eff':>11} {'rows packed':>12} {'rows padded':>12} {'too long':>9}")
+        for k, v in pk.items():
+            if k.isdigit():
+                print(f"  {k:>8} {v['packing_efficiency']:11.3f} {v['padding_efficiency']:11.3f} "
+                      f"{v['rows_packed']:12d} {v['rows_padded']:12d} {v['too_long']:9d}")
