@@ -1,0 +1,192 @@
+"""Blends: several datasets drawn in fixed proportions, as one deterministic stream of work items.
+
+``--blend laion=data/laion/*.tar:0.7,vqa=data/vqa/*.tar:0.3`` (a name is optional: ``A:0.7,B:0.3``
+names the sources by their patterns), or a YAML file::
+
+    sources:
+      - {name: laion, shards: "data/laion/{000..099}.tar", weight: 0.7}
+      - {name: vqa, shards: [data/vqa/a.tar, data/vqa/b.tar], weight: 0.3}
+
+An epoch of the blend holds ``per_epoch`` work items (default: every source's item count added up),
+``round(weight x per_epoch)`` from each source (largest remainders, so they add up exactly). A
+source reads its items from its own stream: its items shuffled, then shuffled again once used up,
+and so on; epoch ``e`` takes the next stretch of that stream. A source with fewer items than its
+share is repeated (every item before any twice), one with more is subsampled (the next epoch goes
+on with the items this one did not reach). Within the epoch the sources are interleaved so that
+every prefix holds each source's share to within one item (the error-minimizing order Megatron's
+blended datasets use), then rank ``r`` of ``dp_size`` takes positions ``r, r + dp_size, ...``.
+
+Everything here is a pure function of (sizes, weights, seed, epoch, rank): the same arguments give
+the same order on any machine, which is what makes a blend resume exactly.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class BlendSource:
+    name: str
+    shards: tuple[str, ...]
+    weight: float
+
+
+def parse_blend(spec: str) -> list[BlendSource]:
+    """``NAME=PATTERN:WEIGHT,...`` / ``PATTERN:WEIGHT,...``, or a ``.yaml``/``.yml`` file of sources."""
+    if spec.endswith((".yaml", ".yml")):
+        return _from_yaml(spec)
+    sources = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        where, colon, weight = part.rpartition(":")
+        if not colon or not where:
+            raise ValueError(f"blend part {part!r} is not PATTERN:WEIGHT (e.g. data/laion/*.tar:0.7)")
+        name, eq, pattern = where.partition("=")
+        if not eq or "/" in name or "*" in name:
+            name, pattern = where, where
+        sources.append(BlendSource(name, (pattern,), _weight(weight, part)))
+    return checked(sources)
+
+
+def _weight(text, where: str) -> float:
+    try:
+        w = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"blend weight of {where!r} is not a number: {text!r}") from None
+    if not math.isfinite(w) or w < 0:
+        raise ValueError(f"blend weight of {where!r} must be a finite number >= 0, not {text!r}")
+    return w
+
+
+def _from_yaml(path: str) -> list[BlendSource]:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"blend file {path!r} does not exist")
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    entries = doc.get("sources") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of sources, or 'sources:' holding one")
+    sources = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or "shards" not in e:
+            raise ValueError(f"{path}: source {i} needs 'shards' (a pattern or a list) and 'weight'")
+        shards = (e["shards"],) if isinstance(e["shards"], str) else tuple(str(s) for s in e["shards"])
+        sources.append(BlendSource(str(e.get("name", shards[0])), shards, _weight(e.get("weight", 1.0), f"{path}#{i}")))
+    return checked(sources)
+
+
+def checked(sources: list[BlendSource]) -> list[BlendSource]:
+    if not sources:
+        raise ValueError("a blend needs at least one source")
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"blend source names repeat: {names}; name them (NAME=PATTERN:WEIGHT)")
+    if sum(s.weight for s in sources) <= 0:
+        raise ValueError("blend weights add up to 0: give at least one source a weight > 0")
+    return sources
+
+
+def quotas(weights, per_epoch: int) -> list[int]:
+    """Items per source in an epoch: ``weight x per_epoch`` rounded by largest remainder."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = w / w.sum() * per_epoch
+    out = np.floor(exact).astype(np.int64)
+    short = per_epoch - int(out.sum())
+    for i in np.argsort(-(exact - out), kind="stable")[:short]:
+        out[i] += 1
+    return [int(x) for x in out]
+
+
+def interleave(counts: list[int]) -> np.ndarray:
+    """Source id per position, ``counts[s]`` of each, every prefix within one item of its share."""
+    total = sum(counts)
+    share = np.asarray(counts, dtype=np.float64) / max(1, total)
+    taken = np.zeros(len(counts), dtype=np.int64)
+    out = np.empty(total, dtype=np.int64)
+    for i in range(total):
+        s = int(np.argmax(share * (i + 1) - taken))
+        out[i] = s
+        taken[s] += 1
+    return out
+
+
+def source_items(size: int, seed: int, source: int, start: int, count: int) -> np.ndarray:
+    """Items ``start .. start+count`` of a source's stream (its items, reshuffled on each pass)."""
+    out = []
+    at = start
+    while len(out) < count:
+        rep, offset = divmod(at, size)
+        perm = np.random.default_rng([seed, 7, source, rep]).permutation(size)
+        taken = perm[offset:offset + count - len(out)]
+        out.extend(int(x) for x in taken)
+        at += len(taken)
+    return np.asarray(out, dtype=np.int64)
+
+
+def epoch_order(sizes: list[int], weights, seed: int, epoch: int,
+                per_epoch: int | None = None) -> list[tuple[int, int]]:
+    """(source, item within that source) for every position of the blend's epoch."""
+    if any(n <= 0 for n, w in zip(sizes, weights) if w > 0):
+        empty = [i for i, (n, w) in enumerate(zip(sizes, weights)) if w > 0 and n <= 0]
+        raise ValueError(f"blend sources {empty} have weight but no items")
+    per_epoch = sum(sizes) if per_epoch is None else per_epoch
+    counts = quotas(weights, per_epoch)
+    picks = [source_items(n, seed, s, epoch * q, q) if q else np.zeros(0, np.int64)
+             for s, (n, q) in enumerate(zip(sizes, counts))]
+    nxt = [0] * len(sizes)
+    order = []
+    for s in interleave(counts):
+        order.append((int(s), int(picks[s][nxt[s]])))
+        nxt[s] += 1
+    return order
+
+
+def rank_order(sizes: list[int], weights, seed: int, epoch: int, rank: int, dp_size: int,
+               per_epoch: int | None = None) -> list[tuple[int, int]]:
+    """The positions of the epoch this data-parallel rank takes, in delivery order."""
+    return epoch_order(sizes, weights, seed, epoch, per_epoch)[rank::dp_size]
+
+
+def per_source(order: list[tuple[int, int]], names: list[str]) -> dict[str, int]:
+    """Items per source name in an order (what a summary reports next to the weights)."""
+    counts = np.bincount([s for s, _ in order], minlength=len(names))
+    return {name: int(c) for name, c in zip(names, counts)}
+
+
+class BlendedItems:
+    """A blend over concrete work items: what ``EpochPlan`` uses in place of its single shuffled list.
+
+    ``sources``: (name, weight, that source's work items in a fixed order, e.g. by shard path then
+    first sample). ``items(epoch, rank)`` is the rank's delivery order; ``source_of(item)`` names
+    the source an item came from, for per-source accounting.
+    """
+
+    def __init__(self, sources: list[tuple[str, float, list]], seed: int, dp_size: int = 1,
+                 per_epoch: int | None = None):
+        self.names = [name for name, _, _ in sources]
+        self.weights = [float(w) for _, w, _ in sources]
+        self._items = [list(items) for _, _, items in sources]
+        self.sizes = [len(items) for items in self._items]
+        self.seed, self.dp_size = seed, dp_size
+        self.per_epoch = sum(self.sizes) if per_epoch is None else per_epoch
+        self._source = {id(item): name for name, _, items in sources for item in items}
+
+    def items(self, epoch: int, rank: int) -> list:
+        order = rank_order(self.sizes, self.weights, self.seed, epoch, rank, self.dp_size, self.per_epoch)
+        return [self._items[s][i] for s, i in order]
+
+    def items_per_epoch(self, rank: int) -> int:
+        return len(range(rank, self.per_epoch, self.dp_size))
+
+    def source_of(self, item) -> str:
+        return self._source[id(item)]
+
+    def shares(self, epoch: int, rank: int) -> dict[str, int]:
+        """Items per source this rank gets in the epoch."""
+        return per_source(rank_order(self.sizes, self.weights, self.seed, epoch, rank, self.dp_size,
+                                     self.per_epoch), self.names)
