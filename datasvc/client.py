@@ -1,4 +1,5 @@
-"""The per-rank end of the data service: an iterator of micro-batches for one trainer rank.
+"""The per-rank end of the data service: an iterator of micro-batches for one trainer rank, and
+``DataService``, which starts the feeders in the driver and hands out these clients.
 
 A background thread keeps ``prefetch`` micro-batches in flight: it fetches refs from the rank's
 feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
@@ -10,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 
 import numpy as np
 import ray
@@ -18,7 +20,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
 from datasvc.registry import get_layout
+from datasvc.rejects import Accounting
 from datasvc.service import DataServiceError, End, EndOfData, feeder_name, start_feeder
+from datasvc.shards import expand_shards
 from datasvc.vision import to_pixel_values
 
 
@@ -221,3 +225,50 @@ class DataClient:
             "image_grid_thw": tensor(packed.image_grid_thw),
             "sample_keys": list(packed.sample_keys),
         }
+
+
+class DataService:
+    """Starts one feeder per DP rank; hands out per-rank clients; aggregates stats."""
+
+    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None):
+        expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
+        try:  # fail fast, in the driver, on an unknown pipeline or option
+            get_layout(cfg.pipeline, **cfg.pipeline_options)
+        except TypeError as exc:
+            raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
+        self.cfg = cfg
+        self.run = run
+        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r)) for r in range(cfg.dp_size)]
+        self._clients: weakref.WeakSet = weakref.WeakSet()
+
+    def client(self, dp_rank: int, consumer: int = 0, **kwargs) -> DataClient:
+        client = DataClient(self.cfg, dp_rank, consumer, run=self.run, **kwargs)
+        self._clients.add(client)
+        return client
+
+    def stats(self) -> dict:
+        per_rank = ray.get([f.stats.remote() for f in self.feeders])
+        total = Accounting()
+        for s in per_rank:
+            a = s["accounting"]
+            total.read += a["read"]
+            total.delivered += a["delivered"]
+            total.quarantined.update(a["quarantined"])
+            total.skipped_by_rule.update(a["skipped_by_rule"])
+            total.ignored_members.update(a["ignored_members"])
+        return {"ranks": per_rank, "accounting": total.as_dict()}
+
+    def shutdown(self) -> None:
+        # Halt this service's clients first: a client whose call fails on a killed feeder would
+        # otherwise restart it, as it must after a crash, and the restarted feeder would outlive us.
+        clients = list(self._clients)
+        for c in clients:
+            c.halt()
+        for f in self.feeders:
+            try:
+                ray.get(f.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(f)
+        for c in clients:
+            c.close()

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from datasvc.filters import Rule
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
@@ -51,6 +53,28 @@ class ServiceConfig:
     """Micro-batches a client fetches ahead on a background thread."""
     max_images_per_sample: int = 64
     max_text_bytes: int = 256 * 1024
+    max_consecutive_rejections: int | None = 1000
+    """Failure budget: the run stops, naming the top reasons, after this many quarantined samples
+    in a row (Energon's failure tolerance). None: no limit."""
+    max_rejection_rate: float | None = 0.5
+    """Failure budget: the run stops, naming the top reasons, once more than this share of the
+    samples read were quarantined (after ``rejection_rate_min_samples``). None: no limit."""
+    rejection_rate_min_samples: int = 1000
+    decoded_bytes_budget: int = 2 << 30
+    """Per preprocessing actor: decoded pixels held at once, estimated from image headers before
+    any decode. A work item is decoded in parts that fit; a sample over it is rejected
+    ``sample_too_large``."""
+    replan_on_dataset_change: bool = False
+    """Restore a saved loader state even though the shard files changed since (added, removed,
+    rewritten): the stream is re-planned over the files as they are now, and a warning says so.
+    Without it such a restore fails, naming what changed."""
+    fault_injection: dict = field(default_factory=dict)
+    """For tests of fault handling only, never in a real run: ``{"kill_on_key": "shard/key"}``
+    SIGKILLs the preprocessing actor that reaches that sample, ``{"raise_on_key": ...}`` fails its
+    whole work item, ``{"address_space_bytes": n}`` caps each actor's address space (RLIMIT_AS)."""
+    filters: tuple[str, ...] = ()
+    """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
+    the others are counted as skipped_by_rule under the rule (grammar: datasvc.filters)."""
 
     def __post_init__(self):
         if isinstance(self.shards, str):
@@ -78,6 +102,21 @@ class ServiceConfig:
             problems.append(f"decode must be 'cpu' or 'gpu', not {self.decode!r}")
         if self.seq_len < 16 or self.micro_batch_size < 1:
             problems.append("seq_len must be >= 16 and micro_batch_size >= 1")
+        object.__setattr__(self, "filters", (self.filters,) if isinstance(self.filters, str) else tuple(self.filters))
+        for rule in self.filters:
+            try:
+                Rule.parse(rule)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if self.max_consecutive_rejections is not None and self.max_consecutive_rejections < 1:
+            problems.append("max_consecutive_rejections must be >= 1 or None (no limit)")
+        if self.max_rejection_rate is not None and not 0 < self.max_rejection_rate <= 1:
+            problems.append(f"max_rejection_rate must be in (0, 1] or None, not {self.max_rejection_rate}")
+        if self.decoded_bytes_budget < 1 << 20:
+            problems.append(f"decoded_bytes_budget must be >= 1 MiB, not {self.decoded_bytes_budget}")
+        unknown = set(self.fault_injection) - {"kill_on_key", "raise_on_key", "address_space_bytes"}
+        if unknown:
+            problems.append(f"unknown fault_injection keys {sorted(unknown)}")
         if problems:
             raise ValueError("invalid data service config: " + "; ".join(problems))
 
@@ -89,6 +128,8 @@ class ServiceConfig:
         fields = {k: d[k] for k in keys}
         if self.blocks_span_epochs:  # only when set, so states saved before the option still restore
             fields["blocks_span_epochs"] = True
+        if self.filters:
+            fields["filters"] = list(self.filters)
         if self.chain_blocks != 1:
             fields["chain_blocks"] = self.chain_blocks
         blob = json.dumps(fields, sort_keys=True, default=str)

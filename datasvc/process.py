@@ -1,46 +1,27 @@
 """The per-sample stages, run on one work item: read -> decode -> preprocess -> tokenize.
 
-Each stage is timed on its own (``StageTimes``) so the profiler can name the bottleneck. Every
-sample read ends as an ``EncodedSample`` or as a counted rejection in ``Accounting``.
+Each stage is timed on its own (``datasvc.stats.StageTimes``) so the profiler can name the
+bottleneck. Every sample read ends as an ``EncodedSample`` or as a counted rejection in
+``Accounting``. ``ItemProcessor`` is what a preprocessing actor runs, and what the in-process
+path (``datasvc.producer``) runs in its place.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from datasvc.batch import EncodedSample
 from datasvc.decode import DecodeJob, Decoder, probe
+from datasvc.filters import SampleRules
 from datasvc.registry import Pipeline
 from datasvc.rejects import Accounting
 from datasvc.shards import ReadLimits, SampleIndex, read_samples
+from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where callers looked for it)
 from datasvc.text import SampleRejected
 from datasvc.vision import ImageRejected
-
-STAGES = ("read", "decode", "preprocess", "tokenize", "pack", "transfer")
-
-
-@dataclass(slots=True)
-class StageTimes:
-    seconds: dict = field(default_factory=lambda: defaultdict(float))
-    counts: dict = field(default_factory=lambda: defaultdict(int))
-
-    def add(self, stage: str, seconds: float, count: int = 1) -> None:
-        self.seconds[stage] += seconds
-        self.counts[stage] += count
-
-    def merge(self, other: "StageTimes") -> None:
-        for k, v in other.seconds.items():
-            self.seconds[k] += v
-        for k, v in other.counts.items():
-            self.counts[k] += v
-
-    def as_dict(self) -> dict:
-        return {s: {"seconds": round(self.seconds.get(s, 0.0), 4), "count": self.counts.get(s, 0)}
-                for s in STAGES if s in self.seconds or s in self.counts}
-
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
@@ -66,7 +47,8 @@ class ItemResult:
 
 
 def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
-                 limits: ReadLimits = ReadLimits()) -> ItemResult:
+                 limits: ReadLimits = ReadLimits(), rules: SampleRules | None = None) -> ItemResult:
+    """``rules``: the user's filters, checked before any pixel is decoded."""
     acct = Accounting()
     times = StageTimes()
     spec = pipeline.vision
@@ -84,6 +66,8 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
     for si, raw in enumerate(raws):
         if alive[si] and raw.text is None and raw.conversation is None:
             alive[si], problems[si] = False, ("missing_text", "no txt or json member")
+        elif alive[si] and rules and (broken := rules.check(raw)):
+            alive[si], problems[si] = False, (broken, "")
         elif alive[si]:
             blobs.extend(data for _ext, data in raw.images)
             owners.extend([si] * len(raw.images))
@@ -160,3 +144,20 @@ def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
         job, p = next(job_iter), next(rows)
         out[i] = p if isinstance(p, ImageRejected) else (p, job.grid(spec))
     return out
+
+
+class ItemProcessor:
+    """What a preprocessing actor holds and runs: the pipeline, a decoder, the read limits and the
+    sample rules of a config. The in-process path (``datasvc.producer``) runs the same object."""
+
+    def __init__(self, cfg, device_id: int | None = 0):
+        from datasvc.decode import make_decoder
+        from datasvc.registry import get_pipeline
+
+        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+        self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id)
+        self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
+        self.rules = SampleRules.parse(cfg.filters)
+
+    def __call__(self, item: WorkItem) -> ItemResult:
+        return process_item(item, self.pipeline, self.decoder, self.limits, self.rules)

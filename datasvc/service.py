@@ -1,7 +1,8 @@
-"""The data service on Ray: preprocessing actors and one feeder per data-parallel rank.
+"""The data service on Ray: preprocessing actors, their pool, and one feeder per data-parallel rank.
 
-    DataService (driver: holds handles and config, never bulk data)
-      └─ Feeder, one per DP rank (plans, packs, bounds what is ahead, autoscales its pool)
+    DataService (datasvc.client; the driver: holds handles and config, never bulk data)
+      └─ Feeder, one per DP rank: a ``BlockProducer`` (datasvc.producer) fed by a pool of actors,
+         bounding what is ahead and autoscaling the pool
            └─ PreprocessActor x [min_actors, max_actors] (read -> decode -> preprocess -> tokenize)
     DataClient, one per trainer rank (datasvc.client): pulls micro-batch refs from its feeder.
 
@@ -11,30 +12,24 @@ replica (TP/PP/CP) fetches the same object.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
-import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from datasvc.config import ServiceConfig
-from datasvc.plan import EpochPlan, Position
-from datasvc.process import ItemResult, StageTimes, WorkItem, process_item
+from datasvc.plan import Position
+from datasvc.process import ItemProcessor, ItemResult, WorkItem
+from datasvc.producer import BlockProducer, DataServiceError, EndOfData  # noqa: F401  (the service's errors)
 from datasvc.rejects import Accounting
-from datasvc.shards import ReadLimits, expand_shards
+from datasvc.stats import QueueStats, StageTimes
 
 log = logging.getLogger("vlmfeed.service")
-
-
-class DataServiceError(RuntimeError):
-    """An error no retry can fix; raised in the client with the reason."""
-
-
-class EndOfData(StopIteration):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,20 +42,26 @@ class End:
 
 @ray.remote
 class PreprocessActor:
-    def __init__(self, cfg: ServiceConfig, device_id: int = 0):
-        from datasvc.decode import make_decoder
-        from datasvc.registry import get_pipeline
+    """Runs ``ItemProcessor`` on the work items its feeder sends."""
 
-        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-        self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id)
-        self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
+    def __init__(self, cfg: ServiceConfig, device_id: int = 0):
+        self.processor = ItemProcessor(cfg, device_id)
+        self.faults = cfg.fault_injection
+        if "address_space_bytes" in self.faults:  # a real memory limit, for tests of what exceeds it
+            import resource
+
+            limit = int(self.faults["address_space_bytes"])
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     def process(self, item: WorkItem) -> ItemResult:
-        return process_item(item, self.pipeline, self.decoder, self.limits)
+        keys = {f"{item.shard}/{s.key}" for s in item.samples}
+        if self.faults.get("kill_on_key") in keys:  # fault injection: the process dies on this sample
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.get("raise_on_key") in keys:  # fault injection: the whole item fails
+            raise RuntimeError(f"injected failure on {self.faults['raise_on_key']}")
+        return self.processor(item)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
@@ -238,33 +239,25 @@ class _Pool:
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class Feeder:
-    """One data-parallel rank's stream: plan, preprocess (through its pool), pack, bound, serve."""
+    """One data-parallel rank's stream: a ``BlockProducer`` over this feeder's pool, its micro-batches
+    put in the object store and held, bounded, until every consumer of the replica took them."""
 
     def __init__(self, cfg: ServiceConfig, rank: int, start: dict | None = None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.cfg = cfg
         self.rank = rank
-        self.start = Position(**start) if start else Position()
-        self.plan = EpochPlan(cfg)
-        from datasvc.registry import get_layout
-
-        layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
-        self.pad_id, self.patch_dim = layout.pad_id, layout.vision.patch_dim
         self.pool = _Pool(cfg, rank)
+        try:
+            self.producer = BlockProducer(cfg, rank, start, self.pool)
+        except BaseException:
+            self.pool.shutdown()
+            raise
+        self.start = self.producer.start
         self.cond = threading.Condition()
         self.queue: OrderedDict[int, tuple] = OrderedDict()  # step -> (ref, position, nbytes, taken)
+        self.queue_stats = QueueStats(cfg.max_batches_ahead)
         self.bytes_ahead = 0
         self.end: End | None = None
-        self.acct = Accounting()
-        self.times = StageTimes()
-        self.images = 0
-        self.megapixels = 0.0
-        self.text_tokens = 0
-        self.vision_tokens = 0
-        self.real_tokens = 0
-        self.row_tokens = 0
-        self.batches = 0
-        self._held: list = []  # samples of the rows the last block held for the next one of its chain
         self.consumer_wait_s = 0.0
         self._waiting: dict = {}  # consumer -> when its pending next_batch call started
         self.producer_blocked_s = 0.0
@@ -297,18 +290,19 @@ class Feeder:
             taken.add(consumer)
             if len(taken) >= self.cfg.consumers_per_replica:
                 del self.queue[step]
+                self.queue_stats.get()
                 self.bytes_ahead -= nbytes
                 self.cond.notify_all()
             return [ref, pos.as_dict()]
 
     def stats(self) -> dict:
+        """The producer's stats (accounting, stages, tokens) with this feeder's queue and pool."""
+        produced = self.producer.stats()
         with self.cond:
             return {
-                "rank": self.rank,
-                "start": self.start.as_dict(),
-                "accounting": self.acct.as_dict(),
-                "stages": self.times.as_dict(),
+                **produced,
                 "queue_depth": len(self.queue),
+                "queue": self.queue_stats.as_dict(),
                 "bytes_ahead": self.bytes_ahead,
                 "actors": self.pool.size,
                 "actors_starting": len(self.pool.starting),
@@ -316,22 +310,10 @@ class Feeder:
                 "items_in_flight": len(self.pool.in_flight),
                 "consumer_wait_s": round(self.consumer_wait_s, 3),
                 "producer_blocked_s": round(self._blocked_total(), 3),
-                "micro_batches": self.batches,
-                "images": self.images,
-                "megapixels": round(self.megapixels, 3),
-                "text_tokens": self.text_tokens,
-                "vision_tokens": self.vision_tokens,
-                "packing_efficiency": round(self.real_tokens / max(1, self.row_tokens), 4),
                 "autoscale_decisions": list(self.decisions),
-                "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
-                               for r in self.acct.log[-50:]],
                 "done": self.end is not None,
                 "error": self.end.error if self.end else "",
             }
-
-    def _blocked_total(self) -> float:
-        since = self._blocked_since
-        return self.producer_blocked_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def actor_handles(self) -> list:
         """The live preprocessing actors (for fault-injection tests and tools)."""
@@ -339,6 +321,7 @@ class Feeder:
 
     def shutdown(self) -> None:
         self._stop = True
+        self.producer.stop()
         self._stopping.set()
         with self.cond:
             self.cond.notify_all()
@@ -346,145 +329,42 @@ class Feeder:
         self.pool.shutdown()
 
     # ---- producer side -------------------------------------------------------------------------
-    def _schedule(self):
-        """(epoch, block, items, ends_chain) lazily, from the first block of the start position's
-        chain: the blocks before the start position only rebuild the rows that chain holds."""
-        chain = self.cfg.chain_blocks
-        first = self.start.block - self.start.block % chain
-        spanning = self.cfg.blocks_span_epochs and self.plan.items_per_epoch(self.rank) > 0
-        blocks = self.plan.spanning_blocks(self.rank, first) if spanning else self._epoch_blocks(first)
-        current = next(blocks, None)
-        while current is not None:
-            following = next(blocks, None)
-            epoch, block, items = current
-            ends_chain = (following is None or (block + 1) % chain == 0
-                          or (not spanning and following[0] != epoch))
-            yield epoch, block, items, ends_chain
-            current = following
-
-    def _epoch_blocks(self, first: int):
-        epoch = self.start.epoch
-        while self.cfg.epochs is None or epoch < self.cfg.epochs:
-            blocks = self.plan.blocks(epoch, self.rank)
-            if not blocks:
-                raise DataServiceError(
-                    f"rank {self.rank} gets no work: {len(self.plan._items)} work items for dp_size="
-                    f"{self.cfg.dp_size}; lower samples_per_item or dp_size, or add shards")
-            for b in range(first if epoch == self.start.epoch else 0, len(blocks)):
-                yield epoch, b, blocks[b]
-            epoch += 1
-
-    def _before_start(self, epoch: int, block: int) -> bool:
-        """A block of the start position's chain that was delivered before the restore."""
-        if self.cfg.blocks_span_epochs:
-            return block < self.start.block
-        return epoch == self.start.epoch and block < self.start.block
-
     def _produce(self) -> None:
         try:
-            self._produce_all()
-            end = End(steps=self.start.step + self.batches)
+            for batch, pos in self.producer.micro_batches():
+                if not self._wait_for_room(batch.nbytes):
+                    break
+                ref = ray.put(batch)
+                with self.cond:
+                    self.queue[pos.step] = (ref, pos, batch.nbytes, set())
+                    self.queue_stats.put()
+                    self.bytes_ahead += batch.nbytes
+                    self.cond.notify_all()
+            end = End(steps=self.producer.position().step)
         except Exception as exc:  # delivered to every consumer instead of a hang
             log.exception("rank %d: producer failed", self.rank)
-            end = End(error=f"{type(exc).__name__}: {exc}", steps=self.start.step + self.batches)
+            end = End(error=f"{type(exc).__name__}: {exc}", steps=self.producer.position().step)
         self.pool.shutdown()  # the stream is over: give the actors' CPUs back
         with self.cond:
             self.end = end
             self.cond.notify_all()
 
-    def _produce_all(self) -> None:
-        schedule = self._schedule()
-        upcoming: deque = deque()  # (epoch, block, items) fetched from the schedule, not yet packed
-        results: dict = {}
-        submitted: set = set()
-        step = self.start.step
-        epoch_samples: dict[int, int] = {}  # samples that reached packing and fit a row, per epoch
-        exhausted = False
-        while not self._stop:
-            # Keep the pool busy: submit items of the current and following blocks.
-            while not exhausted and len(upcoming) < 3:
-                nxt = next(schedule, None)
-                if nxt is None:
-                    exhausted = True
-                else:
-                    upcoming.append(nxt)
-            if not upcoming:
-                break
-            for e, b, items, _ in upcoming:
-                for i, item in enumerate(items):
-                    key = (e, b, i)
-                    if key not in submitted and self.pool.has_room() and self.pool.submit(key, item):
-                        submitted.add(key)
-            for key, res in self.pool.collect(timeout=0.2):
-                results[key] = res
-            e, b, items, ends_chain = upcoming[0]
-            if all((e, b, i) in results for i in range(len(items))):
-                upcoming.popleft()
-                block = [results.pop((e, b, i)) for i in range(len(items))]
-                for i in range(len(items)):
-                    submitted.discard((e, b, i))
-                step = self._emit_block(e, b, block, step, epoch_samples, ends_chain)
-        if self._stop:  # shut down mid-stream: an epoch cut short is not an all-rejected epoch
-            return
-        for e, n in epoch_samples.items():
-            if n == 0:
-                raise DataServiceError(f"rank {self.rank}: epoch {e} produced no micro-batches; every sample "
-                                       f"was rejected: {self.acct.as_dict()}")
-
-    def _emit_block(self, epoch, block, results: list[ItemResult], step, epoch_samples, ends_chain: bool) -> int:
-        samples = []
-        for r in results:
-            samples.extend(r.samples)
-            self.acct.merge(r.accounting)
-            self.times.merge(r.times)
-            self.images += r.images
-            self.megapixels += r.megapixels
+    def _wait_for_room(self, nbytes: int) -> bool:
+        """Block while the queue is full (by count or bytes); False when shut down meanwhile."""
         t0 = time.perf_counter()
-        batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
-                                                       self.patch_dim, hold=not ends_chain)
-        self._held = held
-        self.times.add("pack", time.perf_counter() - t0, len(batches))
-        for s in too_long:
-            self.acct.reject(s.shard, s.key, "longer_than_seq_len", f"{s.num_tokens} tokens > seq_len {self.cfg.seq_len}")
-        epoch_samples[epoch] = epoch_samples.get(epoch, 0) + len(samples) - len(too_long)
-        if self._before_start(epoch, block):
-            skip = len(batches)
-        elif (epoch, block) == (self.start.epoch, self.start.block):
-            skip = self.start.batch
-        else:
-            skip = 0
-        for i, batch in enumerate(batches):
-            if i < skip:
-                continue
-            nbytes = batch.nbytes
-            t0 = time.perf_counter()
-            self._blocked_since = t0
-            with self.cond:
-                while (self.queue and (len(self.queue) >= self.cfg.max_batches_ahead
-                                       or self.bytes_ahead + nbytes > self.cfg.max_bytes_ahead)
-                       and not self._stop):
-                    self.cond.wait(timeout=0.5)
-            self._blocked_since = None
-            self.producer_blocked_s += time.perf_counter() - t0
-            if self._stop:
-                return step
-            ref = ray.put(batch)
-            with self.cond:
-                self.queue[step] = (ref, Position(epoch, block, i, step), nbytes, set())
-                self.bytes_ahead += nbytes
-                self.cond.notify_all()
-            self.acct.delivered += len(batch.sample_keys)
-            n_img_tok = int(batch.image_grid_thw.prod(axis=1).sum()) // 4 if len(batch.image_grid_thw) else 0
-            self.vision_tokens += n_img_tok
-            self.text_tokens += batch.real_tokens - n_img_tok
-            self.real_tokens += batch.real_tokens
-            self.row_tokens += batch.tokens.size
-            self.batches += 1
-            step += 1
-        # Samples of skipped (already delivered) micro-batches were delivered before the restore.
-        for batch in batches[:skip]:
-            self.acct.delivered += len(batch.sample_keys)
-        return step
+        self._blocked_since = t0
+        with self.cond:
+            while (self.queue and (len(self.queue) >= self.cfg.max_batches_ahead
+                                   or self.bytes_ahead + nbytes > self.cfg.max_bytes_ahead)
+                   and not self._stop):
+                self.cond.wait(timeout=0.5)
+        self._blocked_since = None
+        self.producer_blocked_s += time.perf_counter() - t0
+        return not self._stop
+
+    def _blocked_total(self) -> float:
+        since = self._blocked_since
+        return self.producer_blocked_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def _autoscale_loop(self) -> None:
         wait_mark, blocked_mark = self._waited_total(), self._blocked_total()
@@ -492,12 +372,7 @@ class Feeder:
         while self.end is None and not self._stop:
             if time.monotonic() - last_log >= 30:
                 last_log = time.monotonic()
-                a = self.acct
-                log.info("rank %d: %d micro-batches, read %d delivered %d quarantined %d, queue %d, actors %d, "
-                         "consumer wait %.1fs, producer blocked %.1fs, stages %s", self.rank, self.batches, a.read,
-                         a.delivered, a.n_quarantined, len(self.queue), self.pool.size,
-                         self._waited_total(), self._blocked_total(),
-                         {k: v["seconds"] for k, v in self.times.as_dict().items()})
+                self._log_progress()
             t0 = time.monotonic()
             if self._stopping.wait(self.cfg.autoscale_interval_s):
                 return
@@ -506,6 +381,14 @@ class Feeder:
                 if self.end is None:
                     self._autoscale(waited - wait_mark, blocked - blocked_mark, time.monotonic() - t0)
             wait_mark, blocked_mark = waited, blocked
+
+    def _log_progress(self) -> None:
+        s = self.producer.stats()
+        a = s["accounting"]
+        log.info("rank %d: %d micro-batches, read %d delivered %d quarantined %d, queue %d, actors %d, "
+                 "consumer wait %.1fs, producer blocked %.1fs, stages %s", self.rank, s["micro_batches"], a["read"],
+                 a["delivered"], sum(a["quarantined"].values()), len(self.queue), self.pool.size,
+                 self._waited_total(), self._blocked_total(), {k: v["seconds"] for k, v in s["stages"].items()})
 
     def _waited_total(self) -> float:
         return self.consumer_wait_s + sum(time.perf_counter() - t for t in list(self._waiting.values()))
@@ -529,58 +412,8 @@ def feeder_name(run: str, rank: int) -> str:
     return f"{run}-feeder-{rank}"
 
 
-class DataService:
-    """Starts one feeder per DP rank; hands out per-rank clients; aggregates stats."""
-
-    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None):
-        expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
-        from datasvc.registry import get_layout
-
-        try:  # fail fast, in the driver, on an unknown pipeline or option
-            get_layout(cfg.pipeline, **cfg.pipeline_options)
-        except TypeError as exc:
-            raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
-        self.cfg = cfg
-        self.run = run
-        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r)) for r in range(cfg.dp_size)]
-        self._clients: weakref.WeakSet = weakref.WeakSet()
-
-    def client(self, dp_rank: int, consumer: int = 0, **kwargs):
-        from datasvc.client import DataClient
-
-        client = DataClient(self.cfg, dp_rank, consumer, run=self.run, **kwargs)
-        self._clients.add(client)
-        return client
-
-    def stats(self) -> dict:
-        per_rank = ray.get([f.stats.remote() for f in self.feeders])
-        total = Accounting()
-        for s in per_rank:
-            a = s["accounting"]
-            total.read += a["read"]
-            total.delivered += a["delivered"]
-            total.quarantined.update(a["quarantined"])
-            total.skipped_by_rule.update(a["skipped_by_rule"])
-            total.ignored_members.update(a["ignored_members"])
-        return {"ranks": per_rank, "accounting": total.as_dict()}
-
-    def shutdown(self) -> None:
-        # Halt this service's clients first: a client whose call fails on a killed feeder would
-        # otherwise restart it, as it must after a crash, and the restarted feeder would outlive us.
-        clients = list(self._clients)
-        for c in clients:
-            c.halt()
-        for f in self.feeders:
-            try:
-                ray.get(f.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
-            ray.kill(f)
-        for c in clients:
-            c.close()
-
-
 def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = None):
+    """The feeder of ``rank``, named for ``run``; from a saved loader state when given."""
     start = None
     if state:
         if state.get("fingerprint") != cfg.fingerprint():

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from datasvc.config import ServiceConfig
-from datasvc.service import DataService, EndOfData
+from datasvc.client import DataService
+from datasvc.service import EndOfData
 from datasvc.shards import index_shard
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}

@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from datasvc.config import ServiceConfig
-from datasvc.service import DataService, DataServiceError, EndOfData
+from datasvc.client import DataService
+from datasvc.service import DataServiceError, EndOfData
 from datasvc.shards import NoShardsError
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}

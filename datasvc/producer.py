@@ -1,0 +1,312 @@
+"""One data-parallel rank's stream of micro-batches, with no Ray: plan -> process -> pack -> chain
+-> position. The one in-process path: the service's feeder runs it with its actor pool, and
+inspect, the benches and the soak run it in this process.
+
+    producer = BlockProducer(cfg, rank=0)               # items processed here, one at a time
+    for batch, pos in producer.micro_batches():         # PackedBatch, and the Position it sits at
+        ...
+    producer.stats()                                    # accounting, stages, tokens, position
+
+- ``BlockProducer(cfg, rank=0, start=None, process=None)``: ``start`` is a ``Position`` (or its
+  dict) to continue a saved stream exactly; ``process`` is a callable ``WorkItem -> ItemResult``
+  run inline (default: ``ItemProcessor(cfg)``, what a preprocessing actor runs) or an
+  ``ItemRunner`` that keeps many items in flight (the feeder's actor pool).
+- ``micro_batches()`` yields ``(PackedBatch, Position)``; ``blocks()`` / ``next_block()`` give
+  whole packed ``Block``s instead. Use one of them per producer: they share the stream.
+- ``position()``: where a restore would continue (the micro-batch after the last one handed out).
+- ``stats()``: a dict with the same keys as the feeder's stats (less its queue and pool).
+
+Errors no retry can fix (a rank with no work, an epoch whose every sample was rejected, a failure
+budget spent) raise ``DataServiceError`` from the iterator.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+from datasvc.batch import PackedBatch
+from datasvc.config import ServiceConfig
+from datasvc.plan import EpochPlan, Position
+from datasvc.process import ItemResult, WorkItem
+from datasvc.rejects import RULE_REASONS, Accounting
+from datasvc.stats import StageTimes, StreamStats
+
+
+class DataServiceError(RuntimeError):
+    """An error no retry can fix; raised in the client with the reason."""
+
+
+class EndOfData(StopIteration):
+    """The configured epochs are exhausted."""
+
+
+class ItemRunner(Protocol):
+    """Processes work items, possibly many at once; results come back in any order."""
+
+    def has_room(self) -> bool: ...
+
+    def submit(self, key, item: WorkItem) -> bool: ...
+
+    def collect(self, timeout: float) -> list[tuple[object, ItemResult]]: ...
+
+
+class InlineRunner:
+    """An ``ItemRunner`` that processes one item at a time, in this process, when collected."""
+
+    def __init__(self, process: Callable[[WorkItem], ItemResult]):
+        self.process = process
+        self.pending: list = []
+
+    def has_room(self) -> bool:
+        return not self.pending
+
+    def submit(self, key, item: WorkItem) -> bool:
+        if self.pending:
+            return False
+        self.pending.append((key, item))
+        return True
+
+    def collect(self, timeout: float) -> list[tuple[object, ItemResult]]:
+        done = [(key, self.process(item)) for key, item in self.pending]
+        self.pending = []
+        return done
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One packed block: its micro-batches to deliver (those a restore had already delivered left
+    out), each with its position."""
+
+    epoch: int
+    index: int
+    batches: list[tuple[PackedBatch, Position]]
+
+
+class FailureBudget:
+    """Stops a stream that rejects too much, naming the top reasons (SPDL's ``max_failures``,
+    Energon's failure tolerance): ``max_consecutive`` quarantined samples in a row, or a share of
+    quarantined samples above ``max_rate`` once ``min_samples`` were read. Rule skips do not count."""
+
+    def __init__(self, max_consecutive: int | None, max_rate: float | None, min_samples: int):
+        self.max_consecutive, self.max_rate, self.min_samples = max_consecutive, max_rate, min_samples
+        self.consecutive = 0
+
+    def observe(self, item: WorkItem, result: ItemResult, total: Accounting, rank: int) -> None:
+        bad = {r.key for r in result.accounting.log if r.reason not in RULE_REASONS}
+        good = {s.key for s in result.samples}
+        for s in item.samples:
+            if s.key in good:
+                self.consecutive = 0
+            elif s.key in bad:
+                self.consecutive += 1
+                if self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
+                    raise DataServiceError(
+                        f"rank {rank}: {self.consecutive} samples in a row were rejected (max_consecutive_rejections="
+                        f"{self.max_consecutive}); top reasons: {_top(total)}. Fix the data, or raise "
+                        "max_consecutive_rejections (None: no limit)")
+        rate = total.n_quarantined / max(1, total.read)
+        if self.max_rate is not None and total.read >= self.min_samples and rate > self.max_rate:
+            raise DataServiceError(
+                f"rank {rank}: {total.n_quarantined} of {total.read} samples read ({rate:.1%}) were rejected, "
+                f"over max_rejection_rate={self.max_rate}; top reasons: {_top(total)}. Fix the data, or raise "
+                "max_rejection_rate (None: no limit)")
+
+
+def _top(acct: Accounting, n: int = 3) -> str:
+    return ", ".join(f"{reason} x{count}" for reason, count in acct.quarantined.most_common(n)) or "none"
+
+
+class BlockProducer:
+    """A rank's deterministic stream of packed micro-batches (see the module docstring)."""
+
+    LOOKAHEAD_BLOCKS = 3  # blocks whose items are in flight at once: keeps a pool busy across blocks
+
+    def __init__(self, cfg: ServiceConfig, rank: int = 0, start: Position | dict | None = None,
+                 process: Callable[[WorkItem], ItemResult] | ItemRunner | None = None, *,
+                 plan: EpochPlan | None = None):
+        from datasvc.registry import get_layout
+
+        self.cfg, self.rank = cfg, rank
+        self.start = start if isinstance(start, Position) else Position(**start) if start else Position()
+        self.plan = plan if plan is not None else EpochPlan(cfg)
+        layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
+        self.pad_id, self.spec = layout.pad_id, layout.vision
+        if process is None:
+            from datasvc.process import ItemProcessor
+
+            process = ItemProcessor(cfg)
+        self.runner: ItemRunner = process if hasattr(process, "submit") else InlineRunner(process)
+        self.acct = Accounting()
+        self.times = StageTimes()
+        self.stream = StreamStats()
+        self.budget = FailureBudget(cfg.max_consecutive_rejections, cfg.max_rejection_rate,
+                                    cfg.rejection_rate_min_samples)
+        self._held: list = []  # samples of the rows the last block held for the next one of its chain
+        self._next = self.start
+        self._stop = False
+        self._lock = threading.Lock()  # stats() may be called from another thread
+        self._blocks_iter: Iterator[Block] | None = None
+
+    # ---- the stream --------------------------------------------------------------------------
+    def micro_batches(self) -> Iterator[tuple[PackedBatch, Position]]:
+        for block in self._packed_blocks():
+            for batch, pos in block.batches:
+                self._hand_out(batch, pos)
+                yield batch, pos
+
+    def blocks(self) -> Iterator[Block]:
+        for block in self._packed_blocks():
+            for batch, pos in block.batches:
+                self._hand_out(batch, pos)
+            yield block
+
+    def next_block(self) -> Block | None:
+        """The next packed block, or None at the end of the configured epochs."""
+        if self._blocks_iter is None:
+            self._blocks_iter = self.blocks()
+        return next(self._blocks_iter, None)
+
+    def position(self) -> Position:
+        """The position of the next micro-batch: where a restore would continue."""
+        return self._next
+
+    def stop(self) -> None:
+        """End the stream at the next item boundary (from any thread)."""
+        self._stop = True
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "rank": self.rank,
+                "start": self.start.as_dict(),
+                "position": self._next.as_dict(),
+                "accounting": self.acct.as_dict(),
+                "stages": self.times.as_dict(),
+                **self.stream.as_dict(),
+                "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
+                               for r in self.acct.log[-50:]],
+            }
+
+    def _hand_out(self, batch: PackedBatch, pos: Position) -> None:
+        with self._lock:
+            self.acct.delivered += len(batch.sample_keys)
+            grids = batch.image_grid_thw
+            vision = int(grids.prod(axis=1).sum()) // self.spec.merge_size**2 if len(grids) else 0
+            s = self.stream
+            s.vision_tokens += vision
+            s.text_tokens += batch.real_tokens - vision
+            s.real_tokens += batch.real_tokens
+            s.row_tokens += batch.tokens.size
+            s.micro_batches += 1
+            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1)
+
+    # ---- planning ----------------------------------------------------------------------------
+    def _schedule(self):
+        """(epoch, block, items, ends_chain) lazily, from the first block of the start position's
+        chain: the blocks before the start position only rebuild the rows that chain holds."""
+        chain = self.cfg.chain_blocks
+        first = self.start.block - self.start.block % chain
+        spanning = self.cfg.blocks_span_epochs and self.plan.items_per_epoch(self.rank) > 0
+        blocks = self.plan.spanning_blocks(self.rank, first) if spanning else self._epoch_blocks(first)
+        current = next(blocks, None)
+        while current is not None:
+            following = next(blocks, None)
+            epoch, block, items = current
+            ends_chain = (following is None or (block + 1) % chain == 0
+                          or (not spanning and following[0] != epoch))
+            yield epoch, block, items, ends_chain
+            current = following
+
+    def _epoch_blocks(self, first: int):
+        epoch = self.start.epoch
+        while self.cfg.epochs is None or epoch < self.cfg.epochs:
+            blocks = self.plan.blocks(epoch, self.rank)
+            if not blocks:
+                raise DataServiceError(
+                    f"rank {self.rank} gets no work: {len(self.plan._items)} work items for dp_size="
+                    f"{self.cfg.dp_size}; lower samples_per_item or dp_size, or add shards")
+            for b in range(first if epoch == self.start.epoch else 0, len(blocks)):
+                yield epoch, b, blocks[b]
+            epoch += 1
+
+    def _before_start(self, epoch: int, block: int) -> bool:
+        """A block of the start position's chain that was delivered before the restore."""
+        if self.cfg.blocks_span_epochs:
+            return block < self.start.block
+        return epoch == self.start.epoch and block < self.start.block
+
+    # ---- processing and packing ----------------------------------------------------------------
+    def _packed_blocks(self) -> Iterator[Block]:
+        schedule = self._schedule()
+        upcoming: deque = deque()  # (epoch, block, items, ends_chain) fetched, not yet packed
+        results: dict = {}
+        submitted: set = set()
+        step = self.start.step
+        epoch_samples: dict[int, int] = {}  # samples that reached packing and fit a row, per epoch
+        exhausted = False
+        while not self._stop:
+            while not exhausted and len(upcoming) < self.LOOKAHEAD_BLOCKS:
+                nxt = next(schedule, None)
+                if nxt is None:
+                    exhausted = True
+                else:
+                    upcoming.append(nxt)
+            if not upcoming:
+                break
+            for e, b, items, _ in upcoming:  # keep the runner busy: this block's items, then the next's
+                for i, item in enumerate(items):
+                    key = (e, b, i)
+                    if key not in submitted and self.runner.has_room() and self.runner.submit(key, item):
+                        submitted.add(key)
+            for key, res in self.runner.collect(timeout=0.2):
+                results[key] = res
+            e, b, items, ends_chain = upcoming[0]
+            if all((e, b, i) in results for i in range(len(items))):
+                upcoming.popleft()
+                done = [results.pop((e, b, i)) for i in range(len(items))]
+                submitted.difference_update((e, b, i) for i in range(len(items)))
+                block = self._pack(e, b, items, done, step, epoch_samples, ends_chain)
+                step += len(block.batches)
+                yield block
+        if self._stop:  # stopped mid-stream: an epoch cut short is not an all-rejected epoch
+            return
+        for e, n in epoch_samples.items():
+            if n == 0:
+                raise DataServiceError(f"rank {self.rank}: epoch {e} produced no micro-batches; every sample "
+                                       f"was rejected: {self.acct.as_dict()}")
+
+    def _pack(self, epoch: int, block: int, items: list[WorkItem], results: list[ItemResult], step: int,
+              epoch_samples: dict, ends_chain: bool) -> Block:
+        samples = []
+        with self._lock:
+            for item, r in zip(items, results):
+                samples.extend(r.samples)
+                self.acct.merge(r.accounting)
+                self.times.merge(r.times)
+                self.stream.images += r.images
+                self.stream.megapixels += r.megapixels
+        for item, r in zip(items, results):
+            self.budget.observe(item, r, self.acct, self.rank)
+        t0 = time.perf_counter()
+        batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
+                                                       self.spec.patch_dim, hold=not ends_chain)
+        self._held = held
+        with self._lock:
+            self.times.add("pack", time.perf_counter() - t0, len(batches))
+            for s in too_long:
+                self.acct.reject(s.shard, s.key, "longer_than_seq_len",
+                                 f"{s.num_tokens} tokens > seq_len {self.cfg.seq_len}")
+            epoch_samples[epoch] = epoch_samples.get(epoch, 0) + len(samples) - len(too_long)
+            if self._before_start(epoch, block):
+                skip = len(batches)
+            elif (epoch, block) == (self.start.epoch, self.start.block):
+                skip = self.start.batch
+            else:
+                skip = 0
+            # Samples of skipped micro-batches were delivered before the restore.
+            self.acct.delivered += sum(len(b.sample_keys) for b in batches[:skip])
+        out = [(batch, Position(epoch, block, i, step + i - skip)) for i, batch in enumerate(batches) if i >= skip]
+        return Block(epoch, block, out)
