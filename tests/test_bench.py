@@ -79,7 +79,7 @@ def test_bench_service_tiny(tmp_path, ray_local, monkeypatch, capsys):
 
 
 def test_cut_short_case_keeps_its_finished_steps(tmp_path):
-    from trainer.bench import partial_summary
+    from trainer.bench.training import partial_summary
 
     path = tmp_path / "metrics.jsonl"
     steps = [{"step": i + 1, "step_time_s": t, "data_wait_frac": 0.0, "tokens_per_s": 1000 / t,
@@ -95,7 +95,7 @@ def test_cut_short_case_keeps_its_finished_steps(tmp_path):
 
 
 def test_unknown_only_case_fails_fast_naming_the_choices(capsys):
-    from trainer import bench
+    from trainer.bench import training as bench
 
     with pytest.raises(SystemExit) as exc:
         bench.main(["--groups", "two-gpus", "--only", "3d-real-large-mbs2-1gpu", "3d-mbs99"])

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from trainer.plot_bench import load, main
+from trainer.bench.plots import load, main
 
 
 def test_case_names_parse_and_plot_is_written(tmp_path):
@@ -39,7 +39,7 @@ def test_second_row_with_two_gpus_chunks_and_decode(tmp_path):
 
 
 def test_per_gpu_tokens_averages_repeated_baselines(tmp_path):
-    from trainer.plot_bench import per_gpu_tokens
+    from trainer.bench.plots import per_gpu_tokens
 
     rows = [{"case": c, "rc": 0, "tokens_per_s": t} for c, t in (
         ("3d-real-large-mbs2-1gpu", 7000.0), ("3d-real-large-mbs2-1gpu", 8000.0),
@@ -56,7 +56,7 @@ def test_per_gpu_tokens_averages_repeated_baselines(tmp_path):
 
 
 def test_source_ratios_pair_runs_with_the_same_options_by_tokens_per_s(tmp_path):
-    from trainer.plot_bench import source_ratios
+    from trainer.bench.plots import source_ratios
 
     rows = [{"case": c, "rc": rc, "tokens_per_s": t, "step_time_s": 1.0} for c, rc, t in (
         ("3d-real-large-mbs2", 0, 8000.0), ("3d-mock-large-mbs2", 0, 16000.0), ("3d-synthetic-large-mbs2", 0, 7200.0),
@@ -71,7 +71,7 @@ def test_source_ratios_pair_runs_with_the_same_options_by_tokens_per_s(tmp_path)
 
 def test_rows_less_full_do_not_look_faster(tmp_path):
     """Shorter steps from emptier rows are not throughput: the ratio follows tokens/s."""
-    from trainer.plot_bench import source_ratios
+    from trainer.bench.plots import source_ratios
 
     rows = [{"case": "3d-real-large-mbs8", "rc": 0, "tokens_per_s": 9600.0, "step_time_s": 2.7},
             {"case": "3d-mock-large-mbs8", "rc": 0, "tokens_per_s": 5300.0, "step_time_s": 0.62}]
@@ -99,9 +99,9 @@ def test_step_spread_beside_the_json_gives_standard_errors_and_a_table(tmp_path,
     """Per-step metrics beside a bench JSON (both layouts trainer.bench and docs/results use) give
     each case a standard error over the same steady window as its mean; the ratio's error and the
     table's +/- follow from both cases' errors."""
-    from trainer.plot_bench import ratio_error, source_table
+    from trainer.bench.plots import ratio_error, source_table
 
-    warm_up = [100.0, 5000.0]  # left out, as trainer.run.summarize leaves them out
+    warm_up = [100.0, 5000.0]  # left out, as trainer.summary.summarize leaves them out
     _metrics(tmp_path / "h200_x_3d-real-large-mbs2.metrics.jsonl", warm_up + [900.0, 1000.0, 1100.0])
     _metrics(tmp_path / "h200_x_3d-mock-large-mbs2.metrics.jsonl", warm_up + [1800.0, 2000.0, 2200.0])
     _metrics(tmp_path / "h200_x_3d-synthetic-large-mbs2.metrics.jsonl", warm_up + [1.0, 2.0, 3.0])  # another run
@@ -135,3 +135,35 @@ def test_step_spread_beside_the_json_gives_standard_errors_and_a_table(tmp_path,
     with pytest.raises(SystemExit):
         main([str(tmp_path / "h200_x_bench_mbs2.json")])
     assert "--out PNG is required" in capsys.readouterr().err
+
+
+def test_older_results_with_former_metric_names_read_as_current(tmp_path, capsys):
+    """Results written before the backends shared one name for the data-wait share (``data_wait_frac``)
+    read as ``data_wait_share``; a row carrying both keeps the current value."""
+    rows = [{"case": "3d-real-large-mbs2", "rc": 0, "tokens_per_s": 7500.0, "data_wait_frac": 0.002},
+            {"case": "3d-mock-large-mbs2", "rc": 0, "tokens_per_s": 9000.0, "data_wait_frac": 0.5,
+             "data_wait_share": 0.001}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    parsed = load([str(path)])
+    assert [r["data_wait_share"] for r in parsed] == [0.002, 0.001]
+    assert all("data_wait_frac" not in r for r in parsed)
+    out = tmp_path / "by_source.png"
+    assert main([str(path), "--by-source", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_groups_name_what_they_measure():
+    """Every case is in a group, names are unique and parse as plots expects; group names carry no
+    dates or run labels, only what they measure."""
+    import re
+
+    from trainer.bench.cases import DEFAULT_GROUPS, GROUPS
+    from trainer.bench.plots import CASE
+
+    names = [name for cases in GROUPS.values() for name, _, _ in cases]
+    assert all(CASE.match(n) for n in names), [n for n in names if not CASE.match(n)]
+    for cases in GROUPS.values():
+        assert len({name for name, _, _ in cases}) == len(cases)
+    assert set(DEFAULT_GROUPS) <= set(GROUPS)
+    assert not [g for g in GROUPS if re.search(r"session|\bs\d|try|round|old|new", g, re.I)]

@@ -1,6 +1,6 @@
 """Plot ``trainer.bench`` results: tokens/s and data-wait share against MBS per strategy, step time
 per data source, and where the runs hold them, one GPU against several and the GPU decode comparison.
-``python -m trainer.plot_bench BENCH.json ... [--decode gpu_decode.json] --out PNG``; with
+``python -m trainer.bench.plots BENCH.json ... [--decode gpu_decode.json] --out PNG``; with
 ``--by-source``, every data source against MBS instead (tokens/s, data wait, row fill, ratios to real).
 
 Case names follow ``trainer.bench``: ``{strategy}-{source}-mbs{N}[-label]``; failed cases (OOM) are
@@ -15,8 +15,10 @@ import os
 import re
 import statistics
 
-from trainer.run import steady_window
+from trainer.summary import steady_window
 
+# Older results name a metric as it was once written; each maps to the name it has now.
+FORMER_NAMES = {"data_wait_frac": "data_wait_share"}
 CASE = re.compile(r"^(?P<strategy>fsdp|3d)-(?P<source>real-large|real|synthetic-large|synthetic|mock-large|mock)"
                   r"-mbs(?P<mbs>\d+)(?:-(?P<label>.+))?$")
 
@@ -32,6 +34,7 @@ def load(paths: list[str]) -> list[dict]:
     for path in paths:
         prefix = os.path.join(os.path.dirname(path), os.path.basename(path).partition("bench")[0])
         for r in json.load(open(path)):
+            r = current_names(r)
             m = CASE.match(r["case"])
             if m:
                 row = {**r, **m.groupdict(), "mbs": int(m["mbs"]), "label": m["label"] or ""}
@@ -42,8 +45,17 @@ def load(paths: list[str]) -> list[dict]:
     return rows
 
 
+def current_names(row: dict) -> dict:
+    """The row with every former metric name replaced by the current one (a current value wins)."""
+    out = {FORMER_NAMES.get(k, k): v for k, v in row.items() if k not in FORMER_NAMES}
+    for old, new in FORMER_NAMES.items():
+        if old in row and out.get(new) is None:
+            out[new] = row[old]
+    return out
+
+
 def steady_tokens_sem(metrics_path: str, mean: float | None) -> float | None:
-    """Standard error of a case's steady-state tokens/s (the window ``trainer.run.summarize``
+    """Standard error of a case's steady-state tokens/s (the window ``trainer.summary.summarize``
     averages). None where the file is missing, holds under 3 steady steps, or is from another run
     of the case (its mean is not ``mean``)."""
     if mean is None or not os.path.exists(metrics_path):
@@ -176,7 +188,7 @@ def source_ratios(rows: list[dict], suffix: str) -> dict[str, dict[str, float]]:
     source's real tokens/s over real photos' ({"3d MBS 8": {"synthetic": 0.96, "mock": 2.3}}).
 
     Tokens/s, not step time: a source whose rows are emptier has shorter steps without being faster
-    (Session 4's 4-item blocks left mock rows 10% full, so its steps looked 4.3x faster while its
+    (with fixed 4-item blocks, mock rows were 10% full, so its steps looked 4.3x faster while its
     tokens/s was half of real's)."""
     return {setting: {kind: round(_ratio(cells, kind), 3) for kind in KINDS if kind in cells}
             for setting, cells in source_settings(rows, suffix).items()}
@@ -356,7 +368,7 @@ def _plot_decode(ax, decode: dict | None) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.plot_bench")
+    ap = argparse.ArgumentParser(prog="python -m trainer.bench.plots")
     ap.add_argument("bench_json", nargs="+")
     ap.add_argument("--source", default="real-large", help="real source of the MBS sweep")
     ap.add_argument("--decode", default=None, help="gpu_decode.json from trainer.bench --gpu-decode-only")

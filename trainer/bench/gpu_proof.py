@@ -1,7 +1,7 @@
 """GPU proofs for the Megatron-Bridge backend (run on the H200 device machine).
 
-    python -m trainer.gpu_proof packed            # packed row == samples alone, per-sample losses
-    python -m trainer.gpu_proof train --strategy fsdp --steps 20 --mbs 2   # train() on synthetic rows
+    python -m trainer.bench.gpu_proof packed            # packed row == samples alone, per-sample losses
+    python -m trainer.bench.gpu_proof train --strategy fsdp --steps 20 --mbs 2   # train() on synthetic rows
 
 ``packed``: builds the Qwen3-VL-30B-A3B proxy (4 decoder layers, full 27-layer vision tower, 128 experts)
 on one GPU, runs a packed row (several image+text samples, THD PackedSeqParams, MRoPE restarted per
@@ -9,7 +9,7 @@ sample) and the same samples one per row (plain causal attention, no packing), a
 loss of each sample (bf16 tolerance). A control run treats the packed row as one sequence (no
 boundaries, no MRoPE restart); it must disagree, which shows the comparison can fail.
 
-``train``: the real ``megatron_backend.train`` loop fed by synthetic packed rows (no Ray, no data
+``train``: the real ``trainer.megatron.loop.train`` loop fed by synthetic packed rows (no Ray, no data
 service), to check the Bridge integration and the metrics lines on the device before the Ray job.
 Results are printed as JSON and written under $OUT when set.
 """
@@ -123,7 +123,7 @@ class SyntheticRows:
 # ------------------------------------------------------------------------------------------------
 def build_model(num_layers: int, num_experts: int, seq_len: int):
     """One-GPU Qwen3-VL MoE proxy in bf16 (the provider of the real trainer config)."""
-    from trainer.megatron_backend import build_provider
+    from trainer.megatron.container import build_provider
 
     _single_process_env()
     cfg = TrainerConfig(model=ModelConfig(num_layers=num_layers, num_experts=num_experts),
@@ -143,7 +143,7 @@ def build_model(num_layers: int, num_experts: int, seq_len: int):
 def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 2048,
                     atol: float = 0.01, rtol: float = 0.0) -> dict:
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
-    from trainer.megatron_backend import mrope_position_ids, pack_thd, per_sample_losses
+    from trainer.megatron.thd import mrope_position_ids, pack_thd, per_sample_losses
 
     model, provider = build_model(num_layers, num_experts, seq_len)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -215,7 +215,7 @@ def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 
 def train_synthetic(strategy: str, steps: int, mbs: int, seq_len: int, num_layers: int, num_experts: int,
                     metrics_path: str | None, extra: list[str]) -> dict:
     from trainer.config import add_cli_args, from_args
-    from trainer.megatron_backend import train
+    from trainer.megatron.loop import train
 
     _single_process_env()
     args = add_cli_args(argparse.ArgumentParser()).parse_args(
@@ -232,7 +232,7 @@ def train_synthetic(strategy: str, steps: int, mbs: int, seq_len: int, num_layer
         "ok": bool(losses) and all(map(lambda x: x == x and abs(x) < float("inf"), losses))
         and losses[-1] < losses[0],
         "steady": {k: sum(r[k] for r in window) / len(window)
-                   for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "data_wait_frac",
+                   for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "data_wait_share",
                              "real_token_fraction", "peak_mem_gib")},
     }
 

@@ -1,0 +1,194 @@
+"""GPU decode paths, same 1-2 MP JPEGs (``python -m trainer.bench --gpu-decode-only``).
+
+Bytes -> uint8 pixel rows in host memory (what the service ships) and -> bf16 ``pixel_values`` on
+the GPU, for DALI GPU, DALI CPU on every host core and torchvision nvJPEG; decode alone for DALI and
+torchvision, to see what resize, patch order and copies add. Result names say ``patches`` for the
+rows shipped to the host, as the results in docs/results do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+
+class _Timings:
+    """Timed calls into ``results``: img/s and MP/s each, or the error of a path that failed."""
+
+    def __init__(self, images: int, megapixels: float):
+        self.images, self.megapixels = images, megapixels
+        self.results: dict = {}
+
+    def timed(self, name: str, fn, repeats: int = 5, images: int | None = None):
+        images = images or self.images
+        try:
+            # Two warm-ups: pipeline build, CUDA context, nvJPEG handles, and enough pinned blocks in
+            # torch's host cache that timed calls do not pay for pinning fresh pages.
+            fn()
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                result = fn()
+            dt = (time.perf_counter() - t0) / repeats
+            self.results[name] = {"img_s": round(images / dt, 1),
+                                  "mp_s": round(self.megapixels * images / self.images / dt, 1)}
+        except Exception as exc:  # one failing path must not hide the others
+            self.results[name], result = {"error": f"{type(exc).__name__}: {exc}"[:300]}, []
+        print(f"[bench] {name}: {self.results[name]}", flush=True)
+        return result
+
+    def ratio(self, a: str, b: str) -> float | None:
+        ra, rb = self.results[a].get("img_s"), self.results[b].get("img_s")
+        return round(ra / rb, 3) if ra and rb else None
+
+
+def _jobs(n_images: int):
+    from datasvc.decode import DecodeJob, probe
+    from datasvc.tools.bench.decode import photo_set
+    from datasvc.vision import VisionSpec
+
+    spec = VisionSpec(max_pixels=16777216)
+    jobs = []
+    for p in photo_set(n_images, min_mp=1.0, max_mp=2.0):
+        h = probe(p.data, spec.max_decode_pixels)
+        jobs.append(DecodeJob(p.data, h, spec.target_size(h.height, h.width)))
+    return spec, jobs
+
+
+def _synchronized(result):
+    import torch
+
+    torch.cuda.synchronize()
+    return result
+
+
+def _to_gpu_pixel_values(rows_per_image, grids, spec):
+    import torch
+
+    from datasvc.vision import to_pixel_values
+
+    values = [to_pixel_values(r if torch.is_tensor(r) else torch.from_numpy(r).cuda(non_blocking=True),
+                              spec, [grid], torch.bfloat16) for r, grid in zip(rows_per_image, grids)]
+    return _synchronized(values)
+
+
+def _torchvision_rows(data, jobs, spec, batch: int, host: bool):
+    """nvJPEG batched decode and bicubic antialiased resize in torch, on the GPU, to pixel rows."""
+    import torch
+    import torch.nn.functional as F
+    import torchvision
+
+    from datasvc.vision import pixel_rows
+
+    out = []
+    for i in range(0, len(data), batch):
+        images = torchvision.io.decode_jpeg(data[i:i + batch], device="cuda", mode=torchvision.io.ImageReadMode.RGB)
+        for img, job in zip(images, jobs[i:i + batch]):
+            x = F.interpolate(img[None].float(), size=job.target_hw, mode="bicubic", antialias=True)
+            x = x.round_().clamp_(0, 255).to(torch.uint8)[0]  # [3, th, tw]
+            out.append(pixel_rows(x.permute(1, 2, 0).contiguous(), spec))
+    if host:
+        out = [torch.empty(t.shape, dtype=torch.uint8, pin_memory=True).copy_(t, non_blocking=True) for t in out]
+    return _synchronized(out)
+
+
+def _streamed(decoder, jobs, spec, per_batch: int, rounds: int = 4) -> int:
+    """What a rank sees: batches of ``per_batch`` images in one stream, each dropped once used."""
+    batches = [jobs[i:i + per_batch] for i in range(0, len(jobs), per_batch)] * rounds
+    n = 0
+    for values in decoder.stream_pixel_values(batches, spec):
+        n += len(values)
+    return _synchronized(n)
+
+
+def _dali_decode_only(jobs, batch: int, gpu):
+    """GpuDecoder's decode settings, pipelined over the same batches; outputs stay on the GPU. The
+    pipeline is built on the first call (a warm-up, inside ``timed``)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    encoded = [np.frombuffer(j.data, dtype=np.uint8) for j in jobs]
+    built = []
+
+    @pipeline_def(batch_size=batch, num_threads=gpu.num_threads, device_id=0, exec_async=True,
+                  exec_pipelined=True, prefetch_queue_depth=2)
+    def decode_pipeline():
+        blobs = fn.external_source(source=[encoded[i:i + batch] for i in range(0, len(encoded), batch)],
+                                   cycle=True, dtype=types.UINT8)
+        return fn.decoders.image(blobs, device="mixed", output_type=types.RGB, hw_decoder_load=gpu.hw_decoder_load)
+
+    def run():
+        if not built:
+            pipe = decode_pipeline()
+            pipe.build()
+            built.append(pipe)
+        for _ in range(0, len(jobs), batch):
+            built[0].run()
+        _synchronized(None)
+
+    return run
+
+
+def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
+    """DALI GPU to host rows, to GPU pixel_values, resident and streamed (with variants)."""
+    from datasvc.decode import GpuDecoder
+
+    host_rows = t.timed("dali_gpu_to_host_patches", lambda: gpu.to_pixel_rows(jobs, spec))
+    t.timed("dali_gpu_to_gpu_pixel_values", lambda: _to_gpu_pixel_values(gpu.to_pixel_rows(jobs, spec), grids, spec))
+    t.timed("dali_gpu_resident_pixel_values", lambda: _synchronized(gpu.to_pixel_values(jobs, spec)))
+    t.timed("dali_gpu_stream_pixel_values", lambda: _streamed(gpu, jobs, spec, batch), images=4 * len(jobs))
+    t.timed("dali_gpu_stream_pixel_values_per_batch8", lambda: _streamed(gpu, jobs, spec, 8), images=4 * len(jobs))
+    for name, kwargs in (("batch128", dict(max_batch=2 * batch)), ("threads8", dict(num_threads=8)),
+                         ("hw1.0", dict(hw_decoder_load=1.0))):
+        variant = GpuDecoder(device_id=0, **{"num_threads": 4, "max_batch": batch, **kwargs})
+        t.timed(f"dali_gpu_stream_pixel_values_{name}", lambda: _streamed(variant, jobs, spec, variant.max_batch),
+                images=4 * len(jobs))
+        del variant
+    return host_rows
+
+
+def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
+    """Every decode path over the same images; results printed and written to OUT/gpu_decode.json."""
+    import torch
+    import torchvision
+
+    from datasvc.decode import CpuDecoder, GpuDecoder
+
+    spec, jobs = _jobs(n_images)
+    mp = sum(j.header.pixels for j in jobs) / 1e6
+    t = _Timings(len(jobs), mp)
+    grids = [j.grid(spec) for j in jobs]
+    data = [torch.frombuffer(bytearray(j.data), dtype=torch.uint8) for j in jobs]
+
+    gpu = GpuDecoder(device_id=0, num_threads=4, max_batch=batch)
+    cpu = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch)
+    g = _gpu_paths(t, gpu, jobs, spec, grids, batch)
+    c = t.timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_pixel_rows(jobs, spec), repeats=2)
+    t.timed("torchvision_nvjpeg_to_host_patches", lambda: _torchvision_rows(data, jobs, spec, batch, host=True))
+    t.timed("torchvision_nvjpeg_to_gpu_pixel_values",
+            lambda: _to_gpu_pixel_values(_torchvision_rows(data, jobs, spec, batch, host=False), grids, spec))
+
+    def decode_only():
+        for i in range(0, len(data), batch):
+            torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
+        torch.cuda.synchronize()
+    t.timed("torchvision_nvjpeg_decode_only", decode_only)
+    t.timed("dali_gpu_decode_only", _dali_decode_only(jobs, batch, gpu))
+
+    res = {"images": len(jobs), "megapixels": round(mp, 1), "batch": batch, **t.results}
+    mads = [float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() / 127.5) for a, b in zip(g, c)
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)]
+    res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5) if mads else None
+    for name in ("to_host_patches", "to_gpu_pixel_values"):
+        res[f"dali_gpu_vs_torchvision_{name}"] = t.ratio(f"dali_gpu_{name}", f"torchvision_nvjpeg_{name}")
+    for path in ("resident", "stream"):
+        res[f"dali_gpu_{path}_vs_torchvision_to_gpu_pixel_values"] = t.ratio(
+            f"dali_gpu_{path}_pixel_values", "torchvision_nvjpeg_to_gpu_pixel_values")
+    res["dali_gpu_vs_dali_cpu_to_host_patches"] = t.ratio("dali_gpu_to_host_patches",
+                                                          "dali_cpu_all_cores_to_host_patches")
+    print("[bench] gpu decode:", json.dumps(res), flush=True)
+    with open(os.path.join(out, "gpu_decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+

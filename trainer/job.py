@@ -1,0 +1,286 @@
+"""A training job: its options, the decisions made before any rank starts (backend, world, data
+service config), and the launch (trainer ranks on Ray, fed by the data service).
+
+``build_job(args)`` checks everything it can before Ray starts, then connects, sizes the job to the
+cluster and returns a ``Job``; ``launch(job)`` runs it and returns the last rank's step records and
+the data service's statistics. ``rank_main`` is what each trainer actor runs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from datasvc.config import ServiceConfig
+from trainer.config import TrainerConfig
+
+log = logging.getLogger("vlmfeed.run")
+TRAINER_GPU_SHARE = 0.75
+# The CPU development path's defaults, so a run finishes in minutes on two cores.
+CPU_DEFAULTS = {"--seq-len": ("seq_len", 1024), "--train-iters": ("train_iters", 30), "--lr": ("lr", 1e-3)}
+
+
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """The options of the job and its data (the model and training options are trainer.config's)."""
+    from datasvc.plan import TRAINING_CHAIN_BLOCKS
+
+    g = p.add_argument_group("job")
+    g.add_argument("--backend", choices=["auto", "megatron", "cpu"], default="auto",
+                   help="auto: megatron when the cluster has GPUs, else the CPU development path")
+    g.add_argument("--world-size", type=int, default=None, help="trainer ranks (default: all GPUs; 2 on CPU)")
+    g.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    g.add_argument("--out", default="out/run", help="directory for metrics.jsonl and summary.json")
+    g = p.add_argument_group("data")
+    g.add_argument("--shards", nargs="+", default=None, help="WebDataset shards (default: bundled real photos)")
+    g.add_argument("--decode", choices=["cpu", "gpu"], default="cpu")
+    g.add_argument("--decode-threads", type=int, default=1)
+    g.add_argument("--data-actors", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
+                   help="preprocessing actors per DP rank (autoscaled between)")
+    g.add_argument("--max-pixels", type=int, default=None, help="image pixel cap (default: 1 MP on GPU, 64K on CPU)")
+    g.add_argument("--min-pixels", type=int, default=None)
+    g.add_argument("--data-seed", type=int, default=0)
+    g.add_argument("--items-per-block", type=int, default=None,
+                   help="work items packed together (default: sized from the shards to fill --block-micro-batches)")
+    g.add_argument("--block-micro-batches", type=int, default=8,
+                   help="micro-batches a packing block should fill when --items-per-block is not given: "
+                        "about half a micro-batch of padding rows is lost per chain of --chain-blocks blocks; "
+                        "memory grows with it")
+    g.add_argument("--chain-blocks", type=int, default=TRAINING_CHAIN_BLOCKS,
+                   help="blocks packed as a chain: a block's part-filled rows wait for the next block's samples "
+                        "(1: each block on its own); a restore re-reads up to this many - 1 blocks")
+
+
+@dataclass
+class Job:
+    """Everything a run needs, decided before any rank starts."""
+
+    backend: str  # "megatron" or "cpu"
+    world: int
+    cfg: TrainerConfig
+    data_cfg: ServiceConfig
+    gpu_per_rank: float
+    out: str
+    metrics_path: str
+    run: str  # names this run's data service actors
+    block_sizing: dict | None = None  # how size_blocks chose items_per_block, when it did
+
+    @property
+    def dp(self) -> int:
+        return self.data_cfg.dp_size
+
+    def describe(self) -> dict:
+        """What the run summary records about the job's data geometry."""
+        out = {"items_per_block": self.data_cfg.items_per_block, "chain_blocks": self.data_cfg.chain_blocks}
+        if self.block_sizing:
+            out["block_sizing"] = self.block_sizing
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Building a job
+# ------------------------------------------------------------------------------------------------
+def build_job(args: argparse.Namespace) -> Job:
+    check_args(args)
+    gpus = connect_cluster(args)
+    backend = args.backend if args.backend != "auto" else ("megatron" if gpus else "cpu")
+    if backend == "cpu":
+        for flag, (attr, value) in CPU_DEFAULTS.items():
+            if flag not in args._given:
+                setattr(args, attr, value)
+    cfg, world = trainer_config(args, backend, gpus)
+    dp = cfg.data_parallel_size(world)
+    check_cpus(args, world, dp)
+    gpu_per_rank, decode_share = gpu_shares(args.decode, backend, world, dp, args.data_actors[1])
+    data_cfg, sizing = data_config(args, cfg, backend, world, decode_share)
+    os.makedirs(args.out, exist_ok=True)
+    metrics = os.path.abspath(os.path.join(args.out, "metrics.jsonl"))
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    return Job(backend=backend, world=world, cfg=cfg, data_cfg=data_cfg, gpu_per_rank=gpu_per_rank, out=args.out,
+               metrics_path=metrics, run=f"vlmfeed-{uuid.uuid4().hex[:8]}",
+               block_sizing=sizing.as_dict() if sizing else None)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the options alone can tell, before Ray starts."""
+    from datasvc.registry import available
+
+    if args.pipeline not in available():
+        raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
+    if args.block_micro_batches < 1 or args.chain_blocks < 1 or (
+            args.items_per_block is not None and args.items_per_block < 1):
+        raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
+
+
+def connect_cluster(args: argparse.Namespace) -> int:
+    """Join (or start) the Ray cluster; returns its GPU count."""
+    import ray
+
+    from datasvc.cluster import connect
+
+    # Logical CPUs of an embedded cluster: enough for the trainer ranks plus the smallest data pools
+    # (they oversubscribe a small dev box, which is what a development run wants).
+    want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + args.data_actors[0] * args.decode_threads))
+    connect(args.address, num_cpus=want_cpus)
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[TrainerConfig, int]:
+    """The validated trainer config and the world size; ``--gbs`` defaults to MBS x DP."""
+    from trainer.config import from_args
+
+    cfg = from_args(args)
+    world = args.world_size or (gpus if backend == "megatron" else 2)
+    if backend == "megatron":
+        if gpus < world:
+            raise SystemExit(f"--world-size {world} needs {world} GPUs; the cluster has {gpus}")
+        cfg.validate(world)
+    else:
+        p = cfg.parallel
+        if (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
+            raise SystemExit("the CPU path is data-parallel only: drop --tp/--pp/--cp/--ep or use --backend megatron")
+    dp = cfg.data_parallel_size(world)
+    if "--gbs" not in args._given:
+        cfg.train.gbs = cfg.train.mbs * dp
+    if cfg.train.gbs % (cfg.train.mbs * dp):
+        raise SystemExit(f"--gbs {cfg.train.gbs} must be a multiple of mbs x dp = {cfg.train.mbs * dp}")
+    return cfg, world
+
+
+def check_cpus(args: argparse.Namespace, world: int, dp: int) -> None:
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    need = world + dp * args.data_actors[0] * args.decode_threads
+    if cpus < need:
+        raise SystemExit(f"the cluster has {cpus:g} CPUs; {world} trainer ranks plus {dp} x {args.data_actors[0]} "
+                         f"preprocessing actors x {args.decode_threads} threads need {need}: lower --data-actors "
+                         f"MIN or --decode-threads, or add nodes")
+
+
+def gpu_shares(decode: str, backend: str, world: int, dp: int, max_actors: int) -> tuple[float, float]:
+    """(GPU per trainer rank, GPU per preprocessing actor). With GPU decode the ranks take
+    TRAINER_GPU_SHARE of each GPU and the data actors of all DP ranks split the rest."""
+    if decode != "gpu":
+        return 1.0, 0.25  # the actor share is unused by CPU decode
+    if backend != "megatron":
+        raise SystemExit("--decode gpu needs GPUs in the cluster; use --decode cpu")
+    return TRAINER_GPU_SHARE, (1 - TRAINER_GPU_SHARE) * world / (dp * max_actors)
+
+
+def pipeline_options(args: argparse.Namespace, backend: str) -> dict:
+    """Pixel limits: 1 MP on GPU, 64K on CPU unless given; the pipeline's own minimum, lowered to the
+    cap where the cap is below it."""
+    from datasvc.registry import get_layout
+
+    opts = {"max_pixels": args.max_pixels or (1024 * 1024 if backend == "megatron" else 256 * 256)}
+    default_min = get_layout(args.pipeline).vision.min_pixels
+    if args.min_pixels or opts["max_pixels"] < default_min:
+        opts["min_pixels"] = args.min_pixels or min(default_min, opts["max_pixels"])
+    return opts
+
+
+def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, world: int, decode_share: float):
+    """The data service's config, blocks sized from the shards unless ``--items-per-block`` is given.
+    Returns (config, BlockSizing or None)."""
+    from datasvc.plan import size_blocks
+    from datasvc.samples import default_shards
+    from trainer.workers import RankLayout
+
+    layout0 = RankLayout(0, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp)
+    data_cfg = ServiceConfig(shards=tuple(args.shards or default_shards()), pipeline=args.pipeline,
+                             pipeline_options=pipeline_options(args, backend),
+                             seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=layout0.dp_size,
+                             pack=not cfg.train.padded,
+                             consumers_per_replica=layout0.model_parallel, epochs=None, blocks_span_epochs=True,
+                             chain_blocks=args.chain_blocks,
+                             seed=args.data_seed,
+                             decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
+                             min_actors=args.data_actors[0], max_actors=args.data_actors[1],
+                             items_per_block=args.items_per_block or 1)
+    if args.items_per_block is not None:
+        return data_cfg, None
+    data_cfg, sizing = size_blocks(data_cfg, target_micro_batches=args.block_micro_batches)
+    log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
+             data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
+    return data_cfg, sizing
+
+
+# ------------------------------------------------------------------------------------------------
+# Running it
+# ------------------------------------------------------------------------------------------------
+def rank_env(expandable_segments: bool) -> dict[str, str]:
+    """Environment the trainer ranks start with. The CUDA allocator reads its settings once, when
+    CUDA starts in a process, so they must be there before the rank runs any code."""
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if expandable_segments and "expandable_segments" not in setting:
+        setting = ",".join(filter(None, [setting, "expandable_segments:True"]))
+    return {"PYTORCH_CUDA_ALLOC_CONF": setting} if setting else {}
+
+
+def launch(job: Job) -> tuple[list[dict], dict, float]:
+    """Run the job: (the reporting rank's step records, the data service's stats, wall seconds)."""
+    from datasvc.service import DataService
+    from trainer.workers import RankLayout, WorkerGroup
+
+    cfg, world = job.cfg, job.world
+    log.info("backend=%s world=%d dp=%d shards=%d seq_len=%d mbs=%d gbs=%d", job.backend, world, job.dp,
+             len(job.data_cfg.shards), cfg.train.seq_len, cfg.train.mbs, cfg.train.gbs)
+    # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
+    group = WorkerGroup(world, use_gpu=job.backend == "megatron", gpu_per_rank=job.gpu_per_rank,
+                        env=rank_env(cfg.train.expandable_segments))
+    try:
+        service = DataService(job.data_cfg, run=job.run)
+    except BaseException:
+        group.shutdown()
+        raise
+    t0 = time.time()
+    try:
+        per_rank = [(job.backend, cfg, job.data_cfg, job.run,
+                     RankLayout(r, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp), job.metrics_path)
+                    for r in range(world)]
+        results = group.run_all(rank_main, per_rank)
+        data_stats = service.stats()
+    finally:
+        group.shutdown()
+        service.shutdown()
+    return next((r for r in results if r), []), data_stats, time.time() - t0
+
+
+def rank_main(backend, cfg, data_cfg, run, layout, metrics_path):
+    """Runs inside each trainer actor; the rank that reports (the last on Megatron, where the loss
+    lives; rank 0 on CPU) returns its step records, the others an empty list."""
+    from datasvc.client import DataClient
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if backend == "megatron":
+        from trainer.megatron.loop import train
+
+        last = layout.rank == layout.world - 1
+        client = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run, device="cuda:0")
+        records = train(cfg, client, metrics_path if last else None, world_size=layout.world)
+        return records if last else []
+    return _cpu_rank(cfg, data_cfg, run, layout, metrics_path)
+
+
+def _cpu_rank(cfg, data_cfg, run, layout, metrics_path):
+    import torch
+    import torch.distributed as dist
+
+    from datasvc.client import DataClient
+    from trainer.cpu_backend import train as cpu_train
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world)
+    try:
+        client = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run)
+        grad_accum = cfg.train.gbs // (cfg.train.mbs * layout.dp_size)
+        records = cpu_train(client, steps=cfg.train.train_iters, grad_accum=grad_accum, lr=cfg.train.lr,
+                            seed=cfg.train.seed, metrics_path=metrics_path, rank=layout.rank, world=layout.world)
+        client.close()
+    finally:
+        dist.destroy_process_group()
+    return records if layout.rank == 0 else []
