@@ -223,7 +223,7 @@ def rank_env(expandable_segments: bool) -> dict[str, str]:
 
 def launch(job: Job) -> tuple[list[dict], dict, float]:
     """Run the job: (the reporting rank's step records, the data service's stats, wall seconds)."""
-    from datasvc.service import DataService
+    from datasvc.client import DataService
     from trainer.workers import RankLayout, WorkerGroup
 
     cfg, world = job.cfg, job.world
