@@ -1,0 +1,93 @@
+"""``python -m trainer.plan qwen3vl --gpus N [--gpu-memory-gib G] [trainer.run's model/parallel/train flags]``
+
+Per-GPU memory by part, the verdict (fits / does not fit, with margin), the nearest settings that fit
+and the decision guide's recommendations, each with its reason. Pure arithmetic: no GPU, Ray or
+Megatron. ``--json`` prints the same as data (``peak_gib`` and ``fits`` at the top level);
+``--fit auto`` prints the configuration ``trainer.run`` would pick; ``--table`` the common cases.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainer.plan.memory import Workload
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    from trainer.config import add_cli_args
+
+    p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pipeline", help="model pipeline in pipelines/ (e.g. qwen3vl)")
+    g = p.add_argument_group("machine and data")
+    g.add_argument("--gpus", type=int, default=None, help="GPUs of the job (default: --world-size, else 1)")
+    g.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--gpu-memory-gib", type=float, default=141.0,
+                   help="memory of one GPU (H100 80, H200 141, GB200 186)")
+    d = Workload()
+    g.add_argument("--image-share", type=float, default=d.image_share,
+                   help="image tokens / real tokens at the fullest micro-batch (0 for text-only or mock data)")
+    g.add_argument("--fill", type=float, default=d.fill, help="real tokens / row slots at the fullest micro-batch")
+    g.add_argument("--data-actors-on-gpu", type=int, default=d.data_processes_on_gpu,
+                   help="data actors with a CUDA context on each GPU")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="the plan as JSON")
+    g.add_argument("--fit", choices=["off", "auto"], default="off",
+                   help="auto: plan the largest configuration that fits instead of the one given")
+    g.add_argument("--table", action="store_true", help="a markdown table of common cases on 1/8/64 GPUs")
+    add_cli_args(p)
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import ConfigError, from_args
+    from trainer.plan.fit import fit_auto, nearest_fits
+    from trainer.plan.planner import plan_job
+    from trainer.plan.report import common_cases, format_plan, format_table
+
+    args, ignored = parse_args(sys.argv[1:] if argv is None else argv)
+    from datasvc.registry import available
+
+    if args.pipeline not in available():
+        raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
+    if ignored:
+        print(f"(ignored, not about memory: {' '.join(ignored)})", file=sys.stderr)
+    work = Workload(image_share=args.image_share, fill=args.fill, data_processes_on_gpu=args.data_actors_on_gpu)
+    if args.table:
+        print(format_table(common_cases(), workload=work))
+        return 0
+    gpus = args.gpus or args.world_size or 1
+    cfg = from_args(args)
+    dp = max(1, gpus // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    if "--gbs" not in argv_flags(argv):
+        cfg.train.gbs = cfg.train.mbs * dp
+    reason = None
+    if args.fit == "auto":
+        cfg, plan, reason = fit_auto(cfg, gpus, args.gpu_memory_gib, work)
+    else:
+        try:
+            cfg.validate(gpus)
+        except ConfigError as exc:
+            raise SystemExit(str(exc))
+        plan = plan_job(cfg, gpus, args.gpu_memory_gib, work)
+    nearest = [] if plan.fits else nearest_fits(cfg, gpus, args.gpu_memory_gib, work)
+    if args.json:
+        out = plan.to_dict()
+        out["nearest_fits"] = [{"change": what, **p.to_dict(), "recommendations": None} for what, p in nearest]
+        if reason:
+            out["fit_auto"] = reason
+        print(json.dumps(out, indent=1))
+    else:
+        if reason:
+            print(f"fit auto: {reason}")
+        print(format_plan(plan, nearest))
+    return 0 if plan.fits else 1
+
+
+def argv_flags(argv: list[str] | None) -> set[str]:
+    return {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

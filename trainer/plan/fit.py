@@ -1,0 +1,159 @@
+"""Choosing what fits: the largest model for the GPUs at hand, and the nearest settings that fit."""
+from __future__ import annotations
+
+import math
+
+from pipelines.qwen3vl.arch import PROXIES
+from trainer.config import ConfigError
+from trainer.plan.advice import _variant
+from trainer.plan.memory import Workload
+from trainer.plan.planner import Plan, describe, plan_job
+
+# Largest first. The depth-faithful proxy keeps all 48 decoder layers, the 27-layer vision tower,
+# top-8 routing and the expert width, with 16 experts; the 4-layer proxy keeps only 4 layers.
+MODEL_LADDER = ("qwen3vl-235b-a22b", "qwen3vl-30b-a3b", "qwen3vl-30b-a3b-depth-proxy",
+                "qwen3vl-30b-a3b-4layer-proxy")
+CHUNK_PATCHES = 32768  # measured free at MBS 4 on the H200, where 16k chunks cost 19%
+LARGEST_GPUS = 4096
+
+
+def with_gbs(cfg, gpus: int):
+    """``cfg`` with its global batch raised to the next multiple of MBS x DP (what validate wants)."""
+    p, t = cfg.parallel, cfg.train
+    dp = max(1, gpus // (p.tp * p.pp * p.cp))
+    step = t.mbs * dp
+    if t.gbs % step:
+        t.gbs = step * max(1, math.ceil(t.gbs / step))
+    return cfg
+
+
+def with_model(cfg, preset: str):
+    """``cfg`` with another preset and no layer/expert/depth overrides."""
+    return _variant(cfg, **{"model.preset": preset, "model.num_layers": None, "model.num_experts": None,
+                            "model.vision_depth": None})
+
+
+def _valid(cfg, gpus: int) -> bool:
+    try:
+        cfg.validate(gpus)
+    except ConfigError:
+        return False
+    return True
+
+
+def memory_ladder(cfg):
+    """(what was added, config) from the settings as given to each memory knob added in turn:
+    expandable segments (free), 32k-patch vision chunks (free at that size), full recompute."""
+    out, added = [("as given", cfg)], []
+    if not cfg.train.expandable_segments:
+        cfg = _variant(cfg, **{"train.expandable_segments": True})
+        added.append("--expandable-segments")
+        out.append((" ".join(added), cfg))
+    if not cfg.model.vision_chunk_patches and not cfg.model.freeze_vision_model:
+        cfg = _variant(cfg, **{"model.vision_chunk_patches": CHUNK_PATCHES})
+        added.append(f"--vision-chunk-patches {CHUNK_PATCHES}")
+        out.append((" ".join(added), cfg))
+    if cfg.recompute.granularity != "full":
+        cfg = _variant(cfg, **{"recompute.granularity": "full", "recompute.num_layers": 1})
+        added.append("--recompute full")
+        out.append((" ".join(added), cfg))
+    return out
+
+
+def _models_from(cfg) -> list:
+    """The requested model, then every smaller rung of the ladder."""
+    preset = cfg.model.preset
+    overridden = any(getattr(cfg.model, n) is not None for n in ("num_layers", "num_experts", "vision_depth"))
+    start = MODEL_LADDER.index(preset) if preset in MODEL_LADDER else len(MODEL_LADDER)
+    models = [cfg] if overridden or preset not in MODEL_LADDER else []
+    return models + [with_model(cfg, p) for p in MODEL_LADDER[start:]]
+
+
+def fit_auto(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = None) -> tuple[object, Plan, str]:
+    """The largest configuration that fits: the requested model (the full one by default), else the
+    depth-faithful proxy, else the 4-layer proxy, each with memory knobs added only as needed.
+    Returns (config, its plan, one sentence saying what was picked and why)."""
+    first_plan = None
+    last = None
+    for model in _models_from(cfg):
+        for added, candidate in memory_ladder(model):
+            candidate = with_gbs(candidate, gpus)
+            if not _valid(candidate, gpus):
+                continue
+            plan = plan_job(candidate, gpus, gpu_memory_gib, workload)
+            first_plan = first_plan or plan
+            last = (candidate, plan)
+            if plan.fits and not plan.tight:
+                return candidate, plan, _reason(first_plan, plan, added)
+    if last is None:
+        raise ConfigError(f"no configuration is valid on {gpus} GPU(s); check --tp/--pp/--cp/--ep")
+    candidate, plan = last
+    return candidate, plan, (f"nothing fits {gpus} x {gpu_memory_gib:g} GiB, not even {describe(candidate, gpus)} "
+                             f"({plan.need_gib:.0f} GiB per GPU): use GPUs with more memory or more of them")
+
+
+def _reason(first: Plan, chosen: Plan, added: str) -> str:
+    name = chosen.cfg.model.preset
+    what = f"{name} ({chosen.params_b:.2f}B parameters)"
+    knobs = "" if added == "as given" else " with " + added
+    if first.cfg.model.preset == name:
+        return (f"{what}{knobs} fits {chosen.gpus} x {chosen.gpu_memory_gib:g} GiB: "
+                f"{chosen.need_gib:.0f} GiB per GPU, {chosen.margin_gib:.0f} GiB margin")
+    proxy = " (a proxy: " + _proxy_words(name) + ")" if name in PROXIES else ""
+    return (f"{first.cfg.model.preset} needs {first.need_gib:.0f} GiB per GPU of {first.usable_gib:.0f} usable; "
+            f"the largest that fits is {what}{proxy}{knobs}: {chosen.need_gib:.0f} GiB per GPU")
+
+
+def _proxy_words(name: str) -> str:
+    base, changes = PROXIES[name]
+    return f"{base} with " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in changes.items())
+
+
+def _moves(cfg, gpus: int):
+    """(cost, what, config, gpus): one structural change each; cost orders them from least disruptive."""
+    a, p, t = cfg.model.arch(), cfg.parallel, cfg.train
+    yield 0, "", cfg, gpus
+    if p.strategy == "3d":
+        yield 2, "--strategy fsdp --pp 1", _variant(cfg, **{"parallel.strategy": "fsdp", "parallel.pp": 1,
+                                                             "parallel.vpp": None}), gpus
+    for div in (2, 4, 8):
+        if t.mbs // div >= 1 and t.mbs % div == 0:
+            yield 3 + div // 2, f"--mbs {t.mbs // div}", _variant(cfg, **{"train.mbs": t.mbs // div}), gpus
+    ep = p.ep * 2
+    while ep <= min(gpus, a.num_experts):
+        if a.num_experts % ep == 0 and gpus % ep == 0:
+            yield 4, f"--ep {ep}", _variant(cfg, **{"parallel.ep": ep}), gpus
+        ep *= 2
+    for tp in (2, 4):
+        if tp > p.tp and gpus % tp == 0:
+            yield 5, f"--tp {tp}", _variant(cfg, **{"parallel.tp": tp}), gpus
+    n = gpus * 2
+    while n <= LARGEST_GPUS:
+        yield 6 + int(math.log2(n // gpus)), f"{n} GPUs", cfg, n
+        n *= 2
+    if cfg.model.preset in MODEL_LADDER:
+        here = MODEL_LADDER.index(cfg.model.preset)
+        for i, preset in enumerate(MODEL_LADDER[here + 1:], start=here + 1):
+            yield 8 + i, f"--model-preset {preset}", with_model(cfg, preset), gpus
+
+
+def nearest_fits(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = None,
+                 limit: int = 5) -> list[tuple[str, Plan]]:
+    """The nearest settings that fit: the free memory knobs first, then one structural change
+    (strategy, MBS, EP, TP, more GPUs, a smaller model). Returns (what changes, its plan), nearest first."""
+    found: dict[str, tuple[float, str, Plan]] = {}  # per structural change, the fewest knobs that fit
+    for knob_cost, (added, base) in enumerate(memory_ladder(cfg)):
+        for cost, what, candidate, n in _moves(base, gpus):
+            group = "gpus" if what.endswith("GPUs") else what
+            score = cost * 10 + knob_cost
+            if group in found and found[group][0] <= score:
+                continue
+            candidate = with_gbs(candidate, n)
+            if not _valid(candidate, n):
+                continue
+            plan = plan_job(candidate, n, gpu_memory_gib, workload, advise=False)
+            if plan.fits:
+                label = " ".join(x for x in (what, added if added != "as given" else "") if x)
+                found[group] = (score, label or "as given", plan)
+    ranked = sorted(found.values(), key=lambda x: (x[0], x[2].need_gib))
+    return [(label, plan) for _, label, plan in ranked[:limit]]
