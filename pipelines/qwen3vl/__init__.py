@@ -3,6 +3,7 @@
 - ``data``: token ids, the image processor's numbers, the chat format (what the data service runs).
 - ``arch``: architecture presets of the released models and their proxies.
 - ``flops``: training FLOPs per packed micro-batch, from an architecture.
+- ``cost``: predicted seconds per packed micro-batch, fitted on the H200 (DP balancing).
 - ``megatron``: the Hugging Face config that Megatron-Bridge's AutoBridge builds the model from.
 - ``cpu_model``: the tiny real model the CPU development path trains.
 
@@ -13,7 +14,7 @@ from pipelines.qwen3vl.data import (TOKENS, VIDEO_PAD, VOCAB_SIZE, Qwen3VLOption
                                     layout)
 
 __all__ = ["TOKENS", "VIDEO_PAD", "VOCAB_SIZE", "Qwen3VLOptions", "Qwen3VLPipeline", "build", "layout",
-           "flops_model"]
+           "flops_model", "cost_model"]
 
 
 def flops_model(preset: str, custom_json: str | None = None):
@@ -21,3 +22,11 @@ def flops_model(preset: str, custom_json: str | None = None):
     from pipelines.qwen3vl.flops import load_model
 
     return load_model(preset, custom_json)
+
+
+def cost_model(preset: str | None = None, calibration: str | None = None):
+    """Predicted seconds of a packed micro-batch (``datasvc.balance.CostModel``) for a preset at a
+    fitted calibration; see ``pipelines.qwen3vl.cost``."""
+    from pipelines.qwen3vl.cost import cost_model as build
+
+    return build(preset, calibration)
