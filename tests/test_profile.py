@@ -1,15 +1,23 @@
-"""The throughput profiler (datasvc.profile), its FLOP model (datasvc.flops), and the check that
-calibrated synthetic shards cost what the real photos cost."""
+"""The throughput profiler (datasvc.tools.profile), the FLOP model it reads through the pipeline
+registry (pipelines/qwen3vl/flops.py), and the check that calibrated synthetic shards cost what
+the real photos cost."""
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 
 import numpy as np
 import pytest
 
-from datasvc import profile as prof
-from datasvc.flops import PRESETS, ModelSpec, batch_shape_flops, load_model
+from datasvc.stats import STAGES
+from datasvc.tools.profile.cli import main as profile_main
+from datasvc.tools.profile.compare import block_geometry_warning
+from datasvc.tools.profile.cost import image_cost, vision_tokens_per_sample
+from datasvc.tools.profile.measure import batch_flops
+from datasvc.tools.profile.report import figure, image_cost_table
+from datasvc.tools.profile.sweep import Settings
+from datasvc.tools.profile.verdict import Demand, verdict
+from pipelines.qwen3vl.flops import PRESETS, ModelSpec, batch_shape_flops, load_model
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +32,7 @@ def report(ray_local, photo_shards, tmp_path_factory):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert prof.main(argv) == 0
+        assert profile_main(argv) == 0
     with open(out / "profile.json") as f:
         rep = json.load(f)
     return {"report": rep, "stdout": buf.getvalue(), "dir": out}
@@ -43,7 +51,7 @@ def test_report_fields_are_present_and_sane(report):
     assert run["micro_batches"] >= 1 and rates["images_per_s"] >= rates["samples_per_s"]
     assert 0 < run["per_sample"]["megapixels"] <= 2 * 512 * 512 / 1e6 * 1.01
     assert run["per_sample"]["vision_tokens"] > run["per_sample"]["text_tokens"] > 0
-    assert set(run["stages"]) == set(prof.STAGES)
+    assert set(run["stages"]) == set(STAGES)
     assert sum(s["share"] for s in run["stages"].values()) == pytest.approx(1.0)
     assert run["stages"]["decode"]["seconds"] > 0 and run["stages"]["pack"]["count"] > 0
     assert 0.3 < run["packing_efficiency"] <= 1.0
@@ -56,7 +64,7 @@ def test_report_fields_are_present_and_sane(report):
     out = report["stdout"]
     assert "stage time share" in out and "rejected samples:" in out and "verdict MBS 1: keeps up" in out
     (v,) = rep["verdicts"]
-    assert v["keeps_up"] is True and v["bottleneck"] in prof.STAGES
+    assert v["keeps_up"] is True and v["bottleneck"] in STAGES
 
 
 def test_png_is_written(report):
@@ -68,26 +76,26 @@ def test_png_is_written(report):
 def test_verdict_follows_the_step_time(report):
     runs = report["report"]["runs"]
     supply = runs[0]["rates"]["micro_batches_per_s"]
-    slow_trainer = prof.Demand(step_time_s=[3600.0]).mb_per_s(0, None)
+    slow_trainer = Demand(step_time_s=[3600.0]).mb_per_s(0, None)
     assert slow_trainer == pytest.approx(1 / 3600)
-    v = prof.verdict(runs, slow_trainer, 1)
-    assert v["keeps_up"] is True and v["actors_needed"] == 1 and v["bottleneck"] in prof.STAGES
+    v = verdict(runs, slow_trainer, 1)
+    assert v["keeps_up"] is True and v["actors_needed"] == 1 and v["bottleneck"] in STAGES
     assert "keeps up" in v["summary"]
 
-    fast_trainer = prof.Demand(step_time_s=[1e-6]).mb_per_s(0, None)
-    v = prof.verdict(runs, fast_trainer, 1)
-    assert v["keeps_up"] is False and v["bottleneck"] in prof.STAGES
+    fast_trainer = Demand(step_time_s=[1e-6]).mb_per_s(0, None)
+    v = verdict(runs, fast_trainer, 1)
+    assert v["keeps_up"] is False and v["bottleneck"] in STAGES
     assert "does NOT keep up" in v["summary"] and v["bottleneck"] in v["summary"]
 
     # Three times what one actor supplies: more actors are needed (unless one process caps it).
-    v = prof.verdict(runs, 3 * supply, 1)
+    v = verdict(runs, 3 * supply, 1)
     assert v["keeps_up"] is False
     if v["actors_needed"] is not None:
         assert v["actors_needed"] >= 2 and v["cores_needed"] == v["actors_needed"]
     else:
         assert v["bottleneck"] in ("pack", "transfer")
     # Grad accumulation: the step covers several micro-batches.
-    assert prof.Demand(step_time_s=[2.0], grad_accum=4).mb_per_s(0, None) == pytest.approx(2.0)
+    assert Demand(step_time_s=[2.0], grad_accum=4).mb_per_s(0, None) == pytest.approx(2.0)
 
 
 def test_flop_model_matches_the_published_sizes(tmp_path):
@@ -127,19 +135,20 @@ def test_demand_from_a_model_preset():
                         cu_seqlens=np.array([[0, 2048, 4096]], np.int32), num_samples=np.array([2], np.int32),
                         pixels=np.zeros((2048, 768), np.uint8), image_grid_thw=np.array([[1, 32, 32], [1, 32, 32]]))
     m = PRESETS["qwen3vl-30b-a3b"]
-    f = batch_shape_flops(m, batch)
+    f = batch_flops(m, batch)
+    assert f == batch_shape_flops(m, batch)
     assert f["vision"] > 0 and f["text"] > 6 * m.active_params * seq
-    d = prof.Demand(model=m, gpus=8, peak_tflops=989, mfu=0.4)
+    d = Demand(model=m, gpus=8, peak_tflops=989, mfu=0.4)
     mb_s = d.mb_per_s(0, f["total"])
     assert mb_s == pytest.approx(989e12 * 0.4 / f["total"])
     # 8 GPUs as 2 DP replicas of 4: each replica is 4x faster per micro-batch.
-    assert prof.Demand(model=m, gpus=8, dp=2, peak_tflops=989, mfu=0.4).mb_per_s(0, f["total"]) == pytest.approx(4 * mb_s)
+    assert Demand(model=m, gpus=8, dp=2, peak_tflops=989, mfu=0.4).mb_per_s(0, f["total"]) == pytest.approx(4 * mb_s)
 
 
 def test_figure_with_a_demand_line(report, tmp_path):
     rep = dict(report["report"])
-    rep["verdicts"] = [prof.verdict(rep["runs"], 5.0, 1)]
-    path = prof.figure(rep, str(tmp_path / "p.png"))
+    rep["verdicts"] = [verdict(rep["runs"], 5.0, 1)]
+    path = figure(rep, str(tmp_path / "p.png"))
     assert open(path, "rb").read(4) == b"\x89PNG"
 
 
@@ -156,33 +165,33 @@ def test_calibrated_synthetic_costs_what_real_photos_cost(photo_shards, tmp_path
     work on the machine largely cancels out.
     """
     from datasvc.shards import index_shard
-    from datasvc.synth import calibrate, write_shards
+    from datasvc.tools.synth import calibrate, write_shards
 
     n_real = sum(len(index_shard(p).samples) for p in photo_shards)
     fitted = calibrate(photo_shards)
     syn = write_shards(tmp_path / "syn", 6 * n_real, fitted, seed=0, samples_per_shard=n_real, progress=False)
     mock = write_shards(tmp_path / "mock", n_real, fitted, seed=0, samples_per_shard=n_real, mock=True, progress=False)
 
-    real_vt = prof.vision_tokens_per_sample(photo_shards)
-    syn_vt = prof.vision_tokens_per_sample(syn)
+    real_vt = vision_tokens_per_sample(photo_shards)
+    syn_vt = vision_tokens_per_sample(syn)
     assert real_vt["samples"] == n_real and syn_vt["samples"] == 6 * n_real
     assert syn_vt["vision_tokens_per_sample"] / real_vt["vision_tokens_per_sample"] == pytest.approx(1.0, abs=0.10)
-    assert prof.vision_tokens_per_sample(mock)["vision_tokens_per_sample"] == 0
+    assert vision_tokens_per_sample(mock)["vision_tokens_per_sample"] == 0
 
     # Throughput on as many synthetic samples as real ones (the cost per megapixel needs no more).
-    cost = prof.image_cost({"real": photo_shards, "synthetic": syn[:1], "mock": mock}, repeat=5)
+    cost = image_cost({"real": photo_shards, "synthetic": syn[:1], "mock": mock}, repeat=5)
     real, s, m = cost["real"], cost["synthetic"], cost["mock"]
     assert real["vision_tokens_per_sample"] == pytest.approx(real_vt["vision_tokens_per_sample"])
     # The claim is +-15%; the test allows +-30% because a 2-core CI box under other load still
     # moves CPU-time measurements of ~0.3 s by that much now and then.
     assert s["ratio"]["megapixels_per_cpu_s"] == pytest.approx(1.0, abs=0.30)
     assert m["images"] == 0 and m["cpu_ms_per_sample"] < 0.05 * real["cpu_ms_per_sample"]
-    assert "vision tokens/sample" in prof.image_cost_table(cost)
+    assert "vision tokens/sample" in image_cost_table(cost)
 
 
 def test_sized_blocks_are_profiled_like_training(ray_local, photo_shards, tmp_path):
-    """--block-micro-batches packs blocks as trainer.run does: more items a block than the default 4,
-    and (on these photos) fuller rows than a one-micro-batch block."""
+    """Sized blocks (as trainer.run packs them) hold more items than a forced one-item block packed
+    on its own, and (on these photos) fill their rows fuller."""
     import contextlib
     import io
 
@@ -191,52 +200,50 @@ def test_sized_blocks_are_profiled_like_training(ray_local, photo_shards, tmp_pa
         argv = [*photo_shards, "--mbs", "2", "--actors", "1", "--samples", "60", "--samples-per-item", "4",
                 "--seq-len", "1024", "--max-pixels", str(256 * 256), "--out", str(out), "--no-progress", *extra]
         with contextlib.redirect_stdout(io.StringIO()):
-            assert prof.main(argv) == 0
+            assert profile_main(argv) == 0
         (r,) = json.load(open(out / "profile.json"))["runs"]
         return r
 
-    sized, tiny = run("--block-micro-batches", "4"), run("--items-per-block", "1")
+    sized, tiny = run("--block-micro-batches", "4"), run("--items-per-block", "1", "--chain-blocks", "1")
     assert sized["items_per_block"] > 1 and tiny["items_per_block"] == 1
     assert sized["packing_efficiency"] > tiny["packing_efficiency"]
 
 
-def test_sized_blocks_span_epochs_and_chain_like_training(photo_shards):
-    """A sized block may hold more than an epoch of a small set; cut at each epoch boundary, its rows
-    would stay part empty, so sized blocks span epochs and pack in chains as in trainer.run, and
-    fixed ones do neither."""
-    from datasvc.plan import EpochPlan
+def test_blocks_are_sized_and_chained_like_training_by_default(photo_shards):
+    """Blocks are sized as trainer.run sizes them, span epochs and pack in chains, unless a fixed
+    size is forced. A sized block may hold more than an epoch of a small set; cut at each epoch
+    boundary, its rows would stay part empty."""
+    from datasvc.plan import TRAINING_CHAIN_BLOCKS, EpochPlan, size_blocks
+    from datasvc.registry import pipeline_module
     from datasvc.shards import index_shard
 
-    sized = prof.Settings(shards=photo_shards, samples_per_item=4, block_micro_batches=64).config(8, 1)
+    default = Settings(shards=photo_shards, samples_per_item=4).config(8, 1)
+    expected, _ = size_blocks(dataclasses.replace(default, items_per_block=1), 8)
+    assert default.items_per_block == expected.items_per_block > 1
+    assert default.blocks_span_epochs and default.chain_blocks == TRAINING_CHAIN_BLOCKS
+    sized = Settings(shards=photo_shards, samples_per_item=4, block_micro_batches=64).config(8, 1)
     per_epoch = len(EpochPlan(sized, [index_shard(p) for p in photo_shards]).items(0, 0))
-    assert sized.blocks_span_epochs and sized.items_per_block > per_epoch and sized.chain_blocks > 1
-    fixed = prof.Settings(shards=photo_shards).config(8, 1)
-    assert not fixed.blocks_span_epochs and fixed.chain_blocks == 1
-    assert prof.Settings(shards=photo_shards, block_micro_batches=8, chain_blocks=1).config(8, 1).chain_blocks == 1
+    assert sized.items_per_block > per_epoch
+    fixed = Settings(shards=photo_shards, items_per_block=3).config(8, 1)
+    assert fixed.items_per_block == 3 and fixed.chain_blocks == TRAINING_CHAIN_BLOCKS
+    assert Settings(shards=photo_shards, chain_blocks=1).config(8, 1).chain_blocks == 1
+    # The demand side reads the FLOP model through the registry, as the command line does.
+    assert pipeline_module("qwen3vl").flops_model("qwen3vl-30b-a3b") == PRESETS["qwen3vl-30b-a3b"]
 
 
-@pytest.mark.parametrize("flag", ["--block-micro-batches", "--chain-blocks"])
+@pytest.mark.parametrize("flag", ["--block-micro-batches", "--chain-blocks", "--items-per-block"])
 def test_bad_block_options_fail_fast(photo_shards, capsys, flag):
     with pytest.raises(SystemExit):
-        prof.main([*photo_shards, flag, "0"])
+        profile_main([*photo_shards, flag, "0"])
     assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
 def test_compare_warns_when_blocks_differ_in_samples():
-    """Fixed item counts make blocks of different sizes from shards of different sizes; the rate
-    rows then mislead, and compare says so (sized blocks need no warning)."""
+    """Forced item counts make blocks of different sizes from shards of different sizes; the rate
+    rows then mislead, and compare says so (sized blocks, the default, need no warning)."""
     def report(samples_per_block):
         return {"runs": [{"samples": 10 * samples_per_block, "blocks_measured": 10}]}
 
-    warning = prof.block_geometry_warning({"real": report(24), "synthetic": report(64)})
-    assert "real 24, synthetic 64" in warning and "--block-micro-batches" in warning
-    assert prof.block_geometry_warning({"real": report(24), "synthetic": report(26)}) is None
-
-
-def test_verdict_cautions_when_fixed_blocks_pack_empty_rows():
-    runs = [{"micro_batch_size": 8, "packing_efficiency": 0.55, "items_per_block": 4}]
-    caution = prof.fixed_block_caution(runs, {"micro_batch_size": 8, "keeps_up": True})
-    assert "55% full with fixed 4-item blocks" in caution and "--block-micro-batches 8" in caution
-    assert prof.fixed_block_caution(runs, {"micro_batch_size": 8, "keeps_up": None}) is None  # no demand
-    full = [{**runs[0], "packing_efficiency": 0.95}]
-    assert prof.fixed_block_caution(full, {"micro_batch_size": 8, "keeps_up": False}) is None
+    warning = block_geometry_warning({"real": report(24), "synthetic": report(64)})
+    assert "real 24, synthetic 64" in warning and "without --items-per-block" in warning
+    assert block_geometry_warning({"real": report(24), "synthetic": report(26)}) is None

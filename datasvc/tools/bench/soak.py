@@ -112,7 +112,8 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
     import ray
 
     from datasvc.cluster import connect
-    from datasvc.service import DataService, EndOfData, feeder_name
+    from datasvc.client import DataService
+    from datasvc.service import EndOfData, feeder_name
 
     rng = random.Random(seed)
     cfg = _soak_config()

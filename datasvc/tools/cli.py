@@ -1,0 +1,73 @@
+"""``vlmfeed``: one command for the user tools.
+
+    vlmfeed inspect SHARDS... --out DIR        what a rank receives, sample by sample
+    vlmfeed profile SHARDS... [--model ...]    data throughput alone, with a verdict against a trainer
+    vlmfeed synth --out DIR --samples N        realistic synthetic (or image-free mock) shards
+    vlmfeed bench decode|service|soak|sizing   benchmarks
+    vlmfeed convert ...                        other data formats to WebDataset shards
+    vlmfeed plan ...                           a training plan (parallelism, MBS) for a cluster
+
+Each subcommand's module is imported only when it is chosen, and gets the rest of the command
+line as it is; ``vlmfeed SUBCOMMAND --help`` shows its options. Training itself is
+``python -m trainer.run PIPELINE`` (what follows ``ray job submit --``).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with ``main(argv)``, one line of help)
+SUBCOMMANDS = {
+    "inspect": ("datasvc.tools.inspect", "write what a rank receives for some shards"),
+    "profile": ("datasvc.tools.profile.cli", "measure data throughput alone and judge it against a trainer"),
+    "synth": ("datasvc.tools.synth.cli", "write realistic synthetic (or image-free mock) shards"),
+    "bench": ("datasvc.tools.bench.cli", "benchmarks: decode, service, soak, sizing"),
+    "convert": ("datasvc.tools.convert", "convert other data formats to WebDataset shards"),
+    # The one import of the trainer from the tools, by name and only when chosen: the planner sizes
+    # a training job, so it lives with the trainer; the tools package never imports it statically.
+    "plan": ("trainer.plan", "plan a training job (parallelism, micro-batch size) for a cluster"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["usage: vlmfeed SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines += [f"  {name:{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "vlmfeed SUBCOMMAND --help shows a subcommand's options."]
+    return "\n".join(lines)
+
+
+def _load(name: str):
+    """The subcommand's ``main``, or None with a message saying why it is not available."""
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise  # the module exists but something it imports does not: show the real error
+        print(f"vlmfeed {name}: not available in this installation ({module_name} is missing)", file=sys.stderr)
+        return None
+    main = getattr(module, "main", None)
+    if main is None:
+        print(f"vlmfeed {name}: {module_name} has no main(argv)", file=sys.stderr)
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"vlmfeed: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    run = _load(name)
+    if run is None:
+        return 2
+    result = run(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

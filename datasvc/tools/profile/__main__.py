@@ -1,0 +1,5 @@
+import sys
+
+from datasvc.tools.profile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""The settings a profile sweeps (micro-batch sizes x actors) and the sweep itself.
+
+By default blocks are sized and chained as ``trainer.run`` sizes and chains them, so rows are as
+full as in training and micro-batches/s means what a trainer would get; ``items_per_block``
+forces a fixed block size instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+
+from datasvc.tools.profile.measure import measure
+from datasvc.tools.profile.verdict import Demand, verdicts
+
+TRAINING_BLOCK_MICRO_BATCHES = 8
+"""Micro-batches a sized block should fill: ``trainer.run``'s ``--block-micro-batches`` default."""
+
+
+@dataclass
+class Settings:
+    shards: list[str]
+    pipeline: str = "qwen3vl"
+    seq_len: int = 4096
+    mbs: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    decode: str = "cpu"
+    actors: list[int] = field(default_factory=lambda: [1, 2])
+    threads: int = 1
+    samples: int | None = None
+    seconds: float | None = None
+    max_pixels: int | None = None
+    samples_per_item: int = 16
+    items_per_block: int | None = None
+    """Work items a block, fixed; None (the default) sizes blocks as ``trainer.run`` does."""
+    block_micro_batches: int = TRAINING_BLOCK_MICRO_BATCHES
+    """Micro-batches a sized block should fill (``plan.size_blocks``), as ``trainer.run``'s
+    ``--block-micro-batches``; unused when ``items_per_block`` is set."""
+    chain_blocks: int | None = None
+    """Blocks packed as a chain (``ServiceConfig.chain_blocks``); default ``plan.TRAINING_CHAIN_BLOCKS``,
+    as ``trainer.run``. Blocks span epochs, as in ``trainer.run``: a block sized for 8 micro-batches
+    of short samples can hold more than an epoch of a small set (image-free mock at MBS 8: 38 epochs
+    of the 384-sample set), and cut at each epoch it would fill about a fifth of its rows."""
+    seed: int = 0
+
+    def config(self, mbs: int, actors: int):
+        """The service config of one setting, with blocks as ``trainer.run`` makes them."""
+        from datasvc.config import ServiceConfig
+        from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
+
+        opts = {"max_pixels": self.max_pixels} if self.max_pixels else {}
+        cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=opts,
+                            seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
+                            decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
+                            autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
+                            items_per_block=self.items_per_block or 1, seed=self.seed, blocks_span_epochs=True,
+                            chain_blocks=self.chain_blocks or TRAINING_CHAIN_BLOCKS)
+        return cfg if self.items_per_block else size_blocks(cfg, self.block_micro_batches)[0]
+
+
+def profile(settings: Settings, demand: Demand | None = None, progress: bool = True, label: str = "") -> dict:
+    """Measure every (MBS, actors) setting and judge each MBS against ``demand`` (a ``Demand``)."""
+    demand = demand or Demand()
+    runs = []
+    for mbs in settings.mbs:
+        sized = settings.config(mbs, settings.actors[0])  # block sizing reads shards: once per MBS
+        for a in settings.actors:
+            desc = f"{label + ' ' if label else ''}MBS {mbs}, {a} actor(s)"
+            cfg = dataclasses.replace(sized, min_actors=a, max_actors=a)
+            r = measure(cfg, samples=settings.samples, seconds=settings.seconds,
+                        model=demand.model, progress=progress, desc=desc)
+            r["items_per_block"] = cfg.items_per_block
+            r["chain_blocks"] = cfg.chain_blocks
+            runs.append(r)
+            print(f"  {desc}: {r['rates']['samples_per_s']:.1f} samples/s, "
+                  f"{r['rates']['micro_batches_per_s']:.2f} micro-batches/s", file=sys.stderr, flush=True)
+    return {
+        "label": label,
+        "settings": dict(settings.__dict__),
+        "demand": demand.describe(),
+        "runs": runs,
+        "verdicts": verdicts(runs, settings.mbs, demand),
+        "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+    }
