@@ -73,18 +73,19 @@ def fit_auto(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = 
     """The largest configuration that fits: the requested model (the full one by default), else the
     depth-faithful proxy, else the 4-layer proxy, each with memory knobs added only as needed.
     Returns (config, its plan, one sentence saying what was picked and why)."""
-    first_plan = None
+    best_of_first = None  # the requested model's smallest need, to say why it was not picked
     last = None
-    for model in _models_from(cfg):
+    for i, model in enumerate(_models_from(cfg)):
         for added, candidate in memory_ladder(model):
             candidate = with_gbs(candidate, gpus)
             if not _valid(candidate, gpus):
                 continue
             plan = plan_job(candidate, gpus, gpu_memory_gib, workload)
-            first_plan = first_plan or plan
+            if i == 0 and (best_of_first is None or plan.need_gib < best_of_first.need_gib):
+                best_of_first = plan
             last = (candidate, plan)
             if plan.fits and not plan.tight:
-                return candidate, plan, _reason(first_plan, plan, added)
+                return candidate, plan, _reason(best_of_first or plan, plan, added)
     if last is None:
         raise ConfigError(f"no configuration is valid on {gpus} GPU(s); check --tp/--pp/--cp/--ep")
     candidate, plan = last
@@ -100,8 +101,9 @@ def _reason(first: Plan, chosen: Plan, added: str) -> str:
         return (f"{what}{knobs} fits {chosen.gpus} x {chosen.gpu_memory_gib:g} GiB: "
                 f"{chosen.need_gib:.0f} GiB per GPU, {chosen.margin_gib:.0f} GiB margin")
     proxy = " (a proxy: " + _proxy_words(name) + ")" if name in PROXIES else ""
-    return (f"{first.cfg.model.preset} needs {first.need_gib:.0f} GiB per GPU of {first.usable_gib:.0f} usable; "
-            f"the largest that fits is {what}{proxy}{knobs}: {chosen.need_gib:.0f} GiB per GPU")
+    return (f"{first.cfg.model.preset} needs at least {first.need_gib:.0f} GiB per GPU of {first.usable_gib:.0f} "
+            f"usable ({describe(first.cfg, first.gpus)}); the largest that fits is {what}{proxy}{knobs}: "
+            f"{chosen.need_gib:.0f} GiB per GPU")
 
 
 def _proxy_words(name: str) -> str:
