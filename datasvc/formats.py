@@ -57,7 +57,13 @@ def caption_from(metadata: dict) -> str | None:
 
 
 def attach_json(raw, doc) -> None:
-    """Where a sample's JSON member is parsed: conversation or metadata, and the caption fallback."""
+    """Where a sample's JSON member is parsed: conversation or metadata, and the caption fallback;
+    a sample of a prepared Energon dataset by its dataset.yaml's field_map."""
+    from datasvc.energon import apply_schema, schema_for_shard
+
+    schema = schema_for_shard(raw.shard)
+    if schema is not None and apply_schema(raw, schema, doc):
+        return
     raw.conversation, raw.metadata = split_json(doc)
     if raw.conversation is None and (raw.text is None or not raw.text.strip()):
         caption = caption_from(raw.metadata)
