@@ -254,6 +254,26 @@ def balance_step(shapes: list[MicroBatchShape], dp: int, model: CostModel) -> St
                        straggler_ratio(after), straggler_ratio(before))
 
 
+def balance_streams(streams: list, per_rank: int, model: CostModel):
+    """The integration point for feeders. ``streams[r]`` iterates rank r's planned micro-batches
+    as (shape, payload) from the same step on, as every feeder can derive them from the shared
+    plan (shapes come from image headers and token counts, so no rank's pixels are needed).
+    Yields, per step, each rank's payloads to train: ``out[r]`` is rank r's ``per_rank`` of them.
+    Stops at the first step some rank cannot fill (the end of its data)."""
+    dp = len(streams)
+    iters = [iter(s) for s in streams]
+    while True:
+        step: list = []
+        for it in iters:
+            got = [x for _, x in zip(range(per_rank), it)]
+            if len(got) < per_rank:
+                return
+            step.extend(got)
+        shapes = [shape for shape, _ in step]
+        ranks = assign(model.costs(shapes), dp, per_rank, [s.key for s in shapes])
+        yield [[step[i][1] for i in r] for r in ranks]
+
+
 def predicted_straggler(shapes: list[MicroBatchShape], dp: int, per_rank: int, model: CostModel,
                         balance: bool) -> dict:
     """The profiler's prediction over a stream of micro-batches: consecutive global steps of

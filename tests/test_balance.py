@@ -259,3 +259,25 @@ def test_unknown_calibration_or_pipeline_fails_fast():
         balance.cost_model("qwen3vl", None, "nope")
     with pytest.raises(ValueError, match="unknown pipeline"):
         balance.cost_model("nope")
+
+
+def test_feeders_that_derive_the_same_plan_train_disjoint_micro_batches(mixed):
+    """Each of 3 feeders derives every rank's planned micro-batches (payload: the sample indices)
+    and keeps its own share: the shares are disjoint, complete, per_rank each, identical across
+    feeders, and a feeder started at a later step agrees with the others from there."""
+    dp, per_rank = 3, 2
+    share = len(mixed) // dp
+
+    def streams():
+        return [[(shape, (r, tuple(members))) for shape, members in
+                 balance.pack_shapes(mixed[r * share:(r + 1) * share], 2048, 1, key=f"{r}/")] for r in range(dp)]
+
+    model = balance.cost_model("qwen3vl")
+    views = [list(balance.balance_streams(streams(), per_rank, model)) for _ in range(dp)]
+    assert views[0] == views[1] == views[2] and len(views[0]) >= 2
+    for step in views[0]:
+        assert all(len(mine) == per_rank for mine in step)
+        flat = [p for mine in step for p in mine]
+        assert len(set(flat)) == len(flat) == dp * per_rank
+    later = list(balance.balance_streams([s[per_rank:] for s in streams()], per_rank, model))
+    assert later == views[0][1:]
