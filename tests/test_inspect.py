@@ -1,4 +1,4 @@
-"""``python -m datasvc.inspect`` end to end, as a subprocess, on real photo shards plus broken input."""
+"""``vlmfeed inspect`` (``python -m datasvc.tools.inspect``) end to end, as a subprocess, on real photo shards plus broken input."""
 import io
 import json
 import os
@@ -41,7 +41,7 @@ def shards(tmp_path_factory):
 
 def run_inspect(args, timeout=180):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "datasvc.inspect", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "datasvc.tools.inspect", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -120,3 +120,30 @@ def test_inspect_without_packing_and_bad_pattern(shards, tmp_path):
 
     proc = run_inspect([str(tmp_path / "missing-*.tar"), "--out", str(tmp_path / "x")])
     assert proc.returncode == 2 and "no shard files match" in proc.stderr
+
+
+def test_inspect_writes_what_each_rank_receives(shards, tmp_path):
+    """The packed files are the rank's stream from the feeder's own producer, in delivery order with
+    their positions; two ranks get disjoint samples that together make one rank's epoch."""
+    from datasvc.producer import BlockProducer
+    from datasvc.tools.inspect import _data_config
+
+    args = ["--seq-len", "2048", "--mbs", "2", "--max-pixels", str(256 * 256), "--seed", "3"]
+    keys = {}
+    for rank in (0, 1):
+        out = tmp_path / f"rank{rank}"
+        proc = run_inspect([*shards, "--out", str(out), "--dp-size", "2", "--rank", str(rank), *args])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"rank {rank} of 2 receives" in proc.stdout
+        packed = [np.load(f) for f in sorted(out.glob("packed-*.npz"))]
+        keys[rank] = [str(k) for z in packed for k in z["sample_keys"]]
+        steps = [int(z["position"][3]) for z in packed]
+        assert steps == list(range(len(packed)))
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["balanced"] and summary["packing"]["dp_size"] == 2
+        assert [p["step"] for p in summary["packing"]["positions"]] == steps
+    assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])
+
+    # Rank 1's files hold exactly what its feeder's producer yields, in the same order.
+    cfg = _data_config(sorted(shards), "qwen3vl", {"max_pixels": 256 * 256}, "cpu", 2048, 2, 2, 3)
+    assert [k for b, _ in BlockProducer(cfg, 1).micro_batches() for k in b.sample_keys] == keys[1]
