@@ -223,3 +223,45 @@ def test_cli_needs_no_torch_ray_or_megatron_and_answers_fast():
     assert "loaded []" in out, out
     assert float(out.split("elapsed")[1].split()[0]) < 1.0
     assert "verdict:" in out and "recommendations:" in out
+
+
+def test_run_stops_before_ray_when_the_model_cannot_fit():
+    code = ("import sys\nfrom trainer.run import main\n"
+            "try:\n    main(['qwen3vl', '--backend', 'megatron', '--world-size', '1', '--gpu-memory-gib', '80',\n"
+            "          '--model-preset', 'qwen3vl-30b-a3b'])\n"
+            "except SystemExit as exc:\n    print(exc)\n    print('exit', exc.code is not None and exc.code != 0)\n"
+            "print('ray loaded', 'ray' in sys.modules)\n")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout
+    assert "does not fit" in out and "nearest settings that fit" in out and "fp32 main params" in out, out
+    assert "exit True" in out and "ray loaded False" in out, out
+    assert elapsed < 30, elapsed  # seconds, not the minutes a model build would take
+
+
+def test_run_fit_auto_rewrites_the_options_to_what_fits():
+    from trainer.plan.gate import plan_gate_declared
+    from trainer.run import parse_args
+
+    args = parse_args(["qwen3vl", "--world-size", "1", "--gpu-memory-gib", "141", "--mbs", "2"])
+    plan_gate_declared(args)
+    assert args.model_preset == "qwen3vl-30b-a3b-depth-proxy" and args.fit == "off"
+    from trainer.config import from_args
+
+    cfg = from_args(args)
+    assert plan_job(cfg, 1, 141, advise=False).fits and cfg.train.mbs == 2
+    kept = parse_args(["qwen3vl", "--world-size", "8", "--gpu-memory-gib", "141"])
+    plan_gate_declared(kept)
+    assert kept.model_preset == "qwen3vl-30b-a3b"
+    off = parse_args(["qwen3vl", "--world-size", "1", "--gpu-memory-gib", "80", "--fit", "off"])
+    plan_gate_declared(off)
+    assert off.model_preset == "qwen3vl-30b-a3b"
+
+
+def test_gpu_memory_from_the_clusters_gpu_type():
+    from trainer.plan.gate import gpu_memory_from_resources
+
+    assert gpu_memory_from_resources({"GPU": 8, "accelerator_type:H200": 1.0}) == 141
+    assert gpu_memory_from_resources({"GPU": 4, "accelerator_type:GB200": 1.0}) == 186
+    assert gpu_memory_from_resources({"CPU": 2}) is None

@@ -51,6 +51,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chain-blocks", type=int, default=TRAINING_CHAIN_BLOCKS,
                    help="blocks packed as a chain: a block's part-filled rows wait for the next block's samples "
                         "(1: each block on its own); a restore re-reads up to this many - 1 blocks")
+    from trainer.plan.gate import add_plan_args
+
+    add_plan_args(p)
 
 
 @dataclass
@@ -83,13 +86,17 @@ class Job:
 # Building a job
 # ------------------------------------------------------------------------------------------------
 def build_job(args: argparse.Namespace) -> Job:
+    from trainer.plan.gate import plan_gate_cluster, plan_gate_declared
+
     check_args(args)
+    plan_gate_declared(args)  # a job that declares its GPUs and cannot fit stops before Ray starts
     gpus = connect_cluster(args)
     backend = args.backend if args.backend != "auto" else ("megatron" if gpus else "cpu")
     if backend == "cpu":
         for flag, (attr, value) in CPU_DEFAULTS.items():
             if flag not in args._given:
                 setattr(args, attr, value)
+    plan_gate_cluster(args, backend, gpus)  # checked, or fit to the GPUs (--fit auto), before any rank starts
     cfg, world = trainer_config(args, backend, gpus)
     dp = cfg.data_parallel_size(world)
     check_cpus(args, world, dp)

@@ -64,6 +64,9 @@ PROXIES: dict[str, tuple[str, dict]] = {
     # full preset): 4 decoder layers with all 128 experts each, 3.65B parameters.
     "qwen3vl-30b-a3b-4layer-all-experts-proxy": ("qwen3vl-30b-a3b", {"num_layers": 4}),
 }
+# From the largest: the order in which the trainer's memory planner (``--fit auto``) looks for the
+# largest model that fits; the depth-faithful proxy comes before the 4-layer one.
+SIZE_ORDER = ("qwen3vl-235b-a22b", "qwen3vl-30b-a3b", "qwen3vl-30b-a3b-depth-proxy", "qwen3vl-30b-a3b-4layer-proxy")
 
 
 def arch(preset: str, **overrides) -> Qwen3VLArch:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from trainer.plan.memory import GIB, VISION_ATTENTION_BYTES_PER_PAIR, Workload, vision_bytes_per_patch
 
@@ -9,7 +10,18 @@ GB200_CLASS_GIB = 180  # GPUs this large come in NVL72 racks, where DeepEP / Hyb
 LARGEST_MBS_TRIED = 16
 
 
-def _variant(cfg, **changes):
+@dataclass
+class Advice:
+    """One recommendation and why."""
+
+    what: str
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"what": self.what, "why": self.why}
+
+
+def variant(cfg, **changes):
     """A deep copy of ``cfg`` with dotted changes, e.g. ``{"train.mbs": 4}``."""
     out = copy.deepcopy(cfg)
     for key, value in changes.items():
@@ -19,9 +31,8 @@ def _variant(cfg, **changes):
 
 
 def _plan(cfg, plan):
-    from trainer.plan.planner import plan_job
-
-    return plan_job(cfg, plan.gpus, plan.gpu_memory_gib, plan.workload, advise=False)
+    """The same job with ``cfg`` instead (the planner hands its own function in as ``plan.replan``)."""
+    return plan.replan(cfg)
 
 
 def vision_flops_share(cfg, work: Workload) -> float:
@@ -40,8 +51,6 @@ def vision_flops_share(cfg, work: Workload) -> float:
 
 
 def _strategy(plan, work) -> list:
-    from trainer.plan.planner import Advice
-
     cfg, a, p = plan.cfg, plan.cfg.model.arch(), plan.cfg.parallel
     out = []
     if p.strategy == "fsdp":
@@ -50,7 +59,7 @@ def _strategy(plan, work) -> list:
                           f"{a.num_layers} decoder layers; parameters, gradients and optimizer state are sharded "
                           f"over all {plan.gpus} GPU(s); it is the choice when memory fit matters more than "
                           f"throughput, and when the vision tower is frozen for decoder tuning"))
-        three_d = _plan(_variant(cfg, **{"parallel.strategy": "3d"}), plan)
+        three_d = _plan(variant(cfg, **{"parallel.strategy": "3d"}), plan)
         if three_d.fits:
             out.append(Advice("consider --strategy 3d once the model is stable and there is time for sweeps",
                               f"it fits too ({three_d.need_gib:.0f} GiB); on one H200 3d ran 1.25-1.31x the "
@@ -69,7 +78,7 @@ def _strategy(plan, work) -> list:
         out.append(Advice("--strategy 3d: keep it if the throughput headroom is worth the sweeps",
                           f"clean layout: {a.num_layers // p.pp} decoder layers per stage, EP {p.ep} divides "
                           f"{a.num_experts} experts; the first stage also carries the embedding and the vision tower"))
-    fsdp = _plan(_variant(cfg, **{"parallel.strategy": "fsdp", "parallel.pp": 1, "parallel.vpp": None}), plan)
+    fsdp = _plan(variant(cfg, **{"parallel.strategy": "fsdp", "parallel.pp": 1, "parallel.vpp": None}), plan)
     if fsdp.fits and not plan.fits:
         out.append(Advice("switch to --strategy fsdp --pp 1", f"it fits ({fsdp.need_gib:.0f} GiB per GPU) where 3d "
                           f"does not ({plan.need_gib:.0f} GiB): FSDP shards the weights and gradients too"))
@@ -77,14 +86,12 @@ def _strategy(plan, work) -> list:
 
 
 def _batch(plan, work) -> list:
-    from trainer.plan.planner import Advice
-
     cfg, t = plan.cfg, plan.cfg.train
     out = []
     largest = 0
     mbs = 1
     while mbs <= LARGEST_MBS_TRIED:
-        if _plan(_variant(cfg, **{"train.mbs": mbs, "train.gbs": mbs * max(1, t.gbs // max(1, t.mbs))}), plan).fits:
+        if _plan(variant(cfg, **{"train.mbs": mbs, "train.gbs": mbs * max(1, t.gbs // max(1, t.mbs))}), plan).fits:
             largest = mbs
         mbs *= 2
     share = vision_flops_share(cfg, work)
@@ -103,17 +110,15 @@ def _batch(plan, work) -> list:
 
 
 def _memory_knobs(plan, work) -> list:
-    from trainer.plan.planner import Advice
-
     cfg, a, m, t, rc = plan.cfg, plan.cfg.model.arch(), plan.cfg.model, plan.cfg.train, plan.cfg.recompute
     out = []
     if rc.granularity != "full" and not plan.fits:
-        full = _plan(_variant(cfg, **{"recompute.granularity": "full"}), plan)
+        full = _plan(variant(cfg, **{"recompute.granularity": "full"}), plan)
         if plan.need_gib - full.need_gib > 1:
             out.append(Advice("--recompute full", f"keeps only each layer's input: {full.need_gib:.0f} GiB instead "
                               f"of {plan.need_gib:.0f}; costs about one extra forward (~1/3 more compute)"))
     elif rc.granularity == "full" and plan.fits:
-        none = _plan(_variant(cfg, **{"recompute.granularity": "none"}), plan)
+        none = _plan(variant(cfg, **{"recompute.granularity": "none"}), plan)
         if none.fits:
             out.append(Advice("drop --recompute full", f"it fits without ({none.need_gib:.0f} GiB) and saves the "
                               f"recompute's extra forward"))
@@ -131,7 +136,7 @@ def _memory_knobs(plan, work) -> list:
         out.append(Advice("--expandable-segments", f"without it about {plan.parts['allocator_slack']:.0f} GiB "
                           f"(a freed block the size of the fp32 logits) stays reserved and unusable"))
     if not m.freeze_vision_model:
-        frozen = _plan(_variant(cfg, **{"model.freeze_vision_model": True}), plan)
+        frozen = _plan(variant(cfg, **{"model.freeze_vision_model": True}), plan)
         out.append(Advice("--freeze-vision-model for decoder-focused tuning",
                           f"saves {plan.need_gib - frozen.need_gib:.0f} GiB per GPU (the tower's gradients, "
                           f"optimizer state and {vision_bytes_per_patch(a, rc.granularity == 'full') / 1024:.0f} KiB "
@@ -140,8 +145,6 @@ def _memory_knobs(plan, work) -> list:
 
 
 def _runtime(plan, work) -> list:
-    from trainer.plan.planner import Advice
-
     cfg, p = plan.cfg, plan.cfg.parallel
     out = []
     if p.ep * (p.etp or p.tp) > 1 and plan.gpu_memory_gib >= GB200_CLASS_GIB:

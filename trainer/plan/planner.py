@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.plan.advice import Advice, recommendations
 from trainer.plan.memory import (EXPANDABLE_SLACK, GIB, FP32, OUTSIDE_ALLOCATOR_GIB, PER_EXTRA_PROCESS_GIB,
-                                 USABLE_SHARE, Workload, layout, moments)
+                                 USABLE_SHARE, Workload, layout, moments, total_params)
 
 # Order and wording of the parts in tables and JSON.
 PART_NAMES = {
@@ -24,17 +25,6 @@ PART_NAMES = {
 }
 STATE_PARTS = ("weights_bf16", "grads", "main_params_fp32", "optimizer_states")
 TIGHT_SHARE = 0.03  # margins under 3% of the GPU are reported as tight
-
-
-@dataclass
-class Advice:
-    """One recommendation and why."""
-
-    what: str
-    why: str
-
-    def to_dict(self) -> dict:
-        return {"what": self.what, "why": self.why}
 
 
 @dataclass
@@ -63,6 +53,10 @@ class Plan:
     @property
     def tight(self) -> bool:
         return self.fits and self.margin_gib < TIGHT_SHARE * self.gpu_memory_gib
+
+    def replan(self, cfg) -> "Plan":
+        """The plan of ``cfg`` on the same GPUs and data (no advice)."""
+        return plan_job(cfg, self.gpus, self.gpu_memory_gib, self.workload, advise=False)
 
     def verdict(self) -> str:
         if not self.fits:
@@ -133,7 +127,6 @@ def _stage_need(cfg, lay, work: Workload, first: bool, last: bool) -> tuple[str,
 
 def plan_job(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = None, advise: bool = True) -> Plan:
     """The per-GPU memory plan of ``cfg`` on ``gpus`` GPUs of ``gpu_memory_gib`` each (no torch, no Ray)."""
-    from trainer.plan.memory import total_params
 
     work = workload or Workload()
     lay = layout(cfg, gpus)
@@ -148,7 +141,5 @@ def plan_job(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = 
                 peak_gib=peak, need_gib=need, usable_gib=USABLE_SHARE * gpu_memory_gib,
                 params_b=total_params(cfg.model.arch()) / 1e9, workload=work)
     if advise:
-        from trainer.plan.advice import recommendations
-
         plan.advice = recommendations(plan, work)
     return plan
