@@ -30,41 +30,34 @@ def _service_config(shards, actors: int, seq_len: int, max_pixels: int, samples_
                          max_batches_ahead=8, prefetch=2, pipeline_options={"max_pixels": max_pixels})
 
 
-def run_in_process(cfg, max_items: int | None = None) -> dict:
-    """The same work as the service (same plan, items, decode, packing), in this one process."""
-    from datasvc.decode import make_decoder
-    from datasvc.plan import EpochPlan
-    from datasvc.process import process_item
-    from datasvc.registry import get_pipeline
-    from datasvc.shards import ReadLimits
+def run_in_process(cfg) -> dict:
+    """The same work as the service, in this one process: each rank's ``BlockProducer`` (the
+    feeder's own plan, items, packing and chains) with the actors' ``ItemProcessor`` inline."""
+    from datasvc.process import ItemProcessor
+    from datasvc.producer import BlockProducer
 
-    pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-    decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads)
-    limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
-    plan = EpochPlan(cfg)
-    samples = images = batches = 0
-    mp = 0.0
+    processor = ItemProcessor(cfg)
+    producers = [BlockProducer(cfg, rank, process=processor) for rank in range(cfg.dp_size)]
+    samples = batches = 0
     t0 = time.perf_counter()
-    for rank in range(cfg.dp_size):
-        for b, items in enumerate(plan.blocks(0, rank)):
-            if max_items is not None:
-                items = items[:max_items]
-                max_items -= len(items)
-                if not items:
-                    break
-            encoded = []
-            for item in items:
-                res = process_item(item, pipeline, decoder, limits)
-                encoded.extend(res.samples)
-                images += res.images
-                mp += res.megapixels
-            packed = plan.pack_block(encoded, 0, rank, b, pipeline.pad_id, pipeline.vision.patch_dim)[0]
-            batches += len(packed)
-            samples += sum(len(p.sample_keys) for p in packed)
+    for producer in producers:
+        for batch, _pos in producer.micro_batches():
+            batches += 1
+            samples += len(batch.sample_keys)
     secs = time.perf_counter() - t0
+    images = sum(p.stats()["images"] for p in producers)
+    mp = sum(p.stats()["megapixels"] for p in producers)
     return {"seconds": round(secs, 3), "samples": samples, "images": images, "megapixels": round(mp, 2),
             "micro_batches": batches, "samples_per_s": round(samples / secs, 2),
             "images_per_s": round(images / secs, 2), "mp_per_s": round(mp / secs, 2)}
+
+
+def warm_up(cfg) -> None:
+    """One work item through the actors' work (imports, DALI, tokenizer, page cache), untimed."""
+    from datasvc.plan import EpochPlan
+    from datasvc.process import ItemProcessor
+
+    ItemProcessor(cfg)(EpochPlan(cfg).items(0, 0)[0])
 
 
 def run_service(cfg, run: str) -> dict:
@@ -140,7 +133,7 @@ def bench_service(max_actors: int | None = None, samples: int = 200, seq_len: in
         n *= 2
     counts.append(max_actors)
     cfg1 = _service_config(shards, 1, seq_len, max_pixels, samples_per_item)
-    run_in_process(cfg1, max_items=1)  # warm up (imports, DALI, page cache) outside the timed run
+    warm_up(cfg1)
     in_proc = run_in_process(cfg1)
     started_ray = not ray.is_initialized()
     connect(num_cpus=cpus, object_store_memory=512 * 1024 * 1024)

@@ -5,6 +5,7 @@ the delivered keys equal exactly the keys an in-process run accepts (no loss, no
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -44,19 +45,13 @@ def write_hostile_shards(out_dir: str, photo_shards: list[str]) -> list[str]:
 
 
 def accepted_keys(cfg) -> Counter:
-    """What an in-process run delivers per epoch (the reference for 'nothing lost')."""
-    from datasvc.decode import make_decoder
-    from datasvc.plan import EpochPlan
-    from datasvc.process import process_item
-    from datasvc.registry import get_pipeline
+    """What one epoch delivers in process (the reference for 'nothing lost'): the feeder's own
+    producer, with the actors' work run inline."""
+    from datasvc.producer import BlockProducer
 
-    pipe = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-    dec = make_decoder("cpu")
     keys = Counter()
-    for item in EpochPlan(cfg)._items:
-        for s in process_item(item, pipe, dec).samples:
-            if s.num_tokens <= cfg.seq_len:
-                keys[f"{s.shard}/{s.key}"] += 1
+    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1), 0).micro_batches():
+        keys.update(batch.sample_keys)
     return keys
 
 
