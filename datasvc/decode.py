@@ -1,8 +1,10 @@
 """Image decode and resize to the pipeline's target size, with NVIDIA DALI on CPU or GPU.
 
-Stages: ``probe`` reads the header only (size, format, mode) so the pixel cap applies before any
-decode; a backend's ``to_pixel_rows`` decodes, resizes to the exact smart-resize target and returns
-the image's uint8 ``vision.pixel_rows``. Patch order is the consumer's job (``vision.to_pixel_values``).
+Stages: ``probe`` (``datasvc.imagefile``) reads the header only (size, format, mode, orientation)
+and checks that the file is whole, so the pixel cap applies before any decode and both backends get
+the same files; a backend's ``to_pixel_rows`` decodes the stored frame, resizes it to the exact
+smart-resize target, applies the header's orientation and returns the image's uint8
+``vision.pixel_rows``. Patch order is the consumer's job (``vision.to_pixel_values``).
 
 Why the CPU backend resizes with OpenCV: measured here on one core, DALI's CPU bicubic antialiased
 resize runs at 11-12 img/s on 1.7 MP photos while its decode runs at ~100; OpenCV's SIMD cubic
@@ -13,62 +15,22 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import io
 import itertools
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Literal, Protocol
 
 import cv2
 import numpy as np
-from PIL import Image
 
+from datasvc.imagefile import ImageHeader, orient, pil_decode_rgb, probe  # noqa: F401  (probe: the callers' import)
 from datasvc.vision import ImageRejected, VisionSpec, pixel_rows, to_pixel_values
 
-# Our own cap (VisionSpec.max_decode_pixels) is checked on the header; PIL's warning adds nothing.
-Image.MAX_IMAGE_PIXELS = None
-
 # Modes DALI decodes to the same RGB as PIL's convert("RGB"); anything else (CMYK, palette,
-# alpha, 16-bit) is converted by PIL exactly as the HF processor does.
+# alpha, 16-bit, GIF, BMP, TIFF) is converted by PIL exactly as the HF processor does.
 _DALI_MODES = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L"), ("WEBP", "RGB")}
-_FORMATS = {"JPEG", "PNG", "WEBP", "MPO"}
-
-
-@dataclass(frozen=True, slots=True)
-class ImageHeader:
-    width: int
-    height: int
-    format: str
-    mode: str
-    progressive: bool = False
-
-    @property
-    def pixels(self) -> int:
-        return self.width * self.height
-
-
-def probe(data: bytes, max_pixels: int) -> ImageHeader:
-    """Parse the header only; reject what must not be decoded."""
-    if not data:
-        raise ImageRejected("empty_image", "zero bytes")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(data))
-        header = ImageHeader(img.width, img.height, img.format or "?", img.mode,
-                             bool(img.info.get("progressive") or img.info.get("progression")))
-    except Exception as exc:  # PIL raises many types for garbage bytes
-        raise ImageRejected("undecodable_image", f"{type(exc).__name__}: {exc}"[:200]) from None
-    if header.format not in _FORMATS:
-        raise ImageRejected("unsupported_format", header.format)
-    if header.pixels > max_pixels:
-        raise ImageRejected("too_many_pixels", f"header declares {header.width}x{header.height} > cap {max_pixels}")
-    if header.pixels == 0:
-        raise ImageRejected("empty_image", f"{header.width}x{header.height}")
-    return header
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +43,12 @@ class DecodeJob:
         """The (t, h, w) patch grid of the resized image."""
         th, tw = self.target_hw
         return 1, th // spec.patch_size, tw // spec.patch_size
+
+    @property
+    def decode_hw(self) -> tuple[int, int]:
+        """The target in the stored frame: what a decoder resizes to before it orients."""
+        th, tw = self.target_hw
+        return (tw, th) if self.header.orientation >= 5 else (th, tw)
 
 
 Timer = Callable[[str, float, int], None]
@@ -109,15 +77,6 @@ def resize_uint8(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
     return cv2.resize(image, (tw, th), interpolation=interp)
 
 
-def pil_decode_rgb(data: bytes) -> np.ndarray:
-    """The HF processor's conversion: PIL ``convert("RGB")`` (alpha dropped, CMYK/palette mapped)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        img = Image.open(io.BytesIO(data))
-        img.load()
-    return np.asarray(img.convert("RGB"))
-
-
 def _needs_pil(header: ImageHeader) -> bool:
     fmt = "JPEG" if header.format == "MPO" else header.format
     return (fmt, header.mode) not in _DALI_MODES
@@ -143,7 +102,8 @@ class CpuDecoder:
                       exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
         def decode_pipeline():
             encoded = fn.external_source(name="encoded", dtype=types.UINT8)
-            return fn.decoders.image(encoded, device="cpu", output_type=types.RGB)
+            # Orientation is the header's call (datasvc.imagefile), applied after the resize.
+            return fn.decoders.image(encoded, device="cpu", output_type=types.RGB, adjust_orientation=False)
 
         self._pipe = decode_pipeline()
         self._pipe.build()
@@ -163,7 +123,7 @@ class CpuDecoder:
         dali_idx = [i for i, j in enumerate(jobs) if not _needs_pil(j.header)]
         for i, job in enumerate(jobs):
             if i not in dali_idx:
-                results[i] = _pil_or_reject(job.data)
+                results[i] = _pil_or_reject(job.data, job.header.pixels)
         for start in range(0, len(dali_idx), self.max_batch):
             chunk = dali_idx[start:start + self.max_batch]
             try:
@@ -195,14 +155,14 @@ class CpuDecoder:
     def _finish(job: DecodeJob, img, spec: VisionSpec):
         if not isinstance(img, np.ndarray):
             return img
-        if img.shape[:2] != (job.header.height, job.header.width):
-            return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header")
-        return pixel_rows(resize_uint8(img, job.target_hw), spec)
+        if img.shape[:2] != job.header.stored_hw:
+            return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header {job.header.stored_hw}")
+        return pixel_rows(orient(resize_uint8(img, job.decode_hw), job.header.orientation), spec)
 
 
-def _pil_or_reject(data: bytes) -> np.ndarray | ImageRejected:
+def _pil_or_reject(data: bytes, pixels: int) -> np.ndarray | ImageRejected:
     try:
-        return pil_decode_rgb(data)
+        return pil_decode_rgb(data, pixels)
     except Exception as exc:
         return ImageRejected("corrupt_image", f"{type(exc).__name__}: {exc}"[:200])
 
@@ -225,7 +185,7 @@ class _Feed:
             self.fed.append((slot, idx))
             jobs = [slot.jobs[i] for i in idx]
             yield ([np.frombuffer(j.data, dtype=np.uint8) for j in jobs],
-                   [np.array(j.target_hw, dtype=np.float32) for j in jobs])  # fn.resize wants [H, W]
+                   [np.array(j.decode_hw, dtype=np.float32) for j in jobs])  # fn.resize wants [H, W]
 
 
 class _Slot:
@@ -287,6 +247,7 @@ class GpuDecoder:
 
         on_gpu = self.device_id is not None
         decode_opts = {"device": "mixed", "hw_decoder_load": self.hw_decoder_load} if on_gpu else {"device": "cpu"}
+        decode_opts["adjust_orientation"] = False  # the header's orientation is applied after the resize
         feed = self._feed
 
         @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=self.device_id,
@@ -365,16 +326,19 @@ class GpuDecoder:
         """One DALI output batch -> the uint8 pixel rows of all its good images in one tensor on the
         decoder's device, and per image its (first, end) row span or why it was rejected."""
         pixels, shapes = self._pixels(out)
-        offset, rows, parts, spans = 0, 0, [], []
+        offset, rows, parts, spans, relaid = 0, 0, [], [], False
         for job, (h, w, c) in zip(jobs, shapes):
-            if (h, w) != job.target_hw:
-                spans.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.target_hw}"))
+            if (h, w) != job.decode_hw:
+                spans.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.decode_hw}"))
             else:
-                parts.append(pixels[offset:offset + h * w * c].view(-1, spec.patch_dim))
+                image = pixels[offset:offset + h * w * c]
+                if job.header.orientation != 1:  # a copy of the resized image, in its display frame
+                    image, relaid = orient(image.view(h, w, c), job.header.orientation), True
+                parts.append(image.view(-1, spec.patch_dim))
                 spans.append((rows, rows + len(parts[-1])))
                 rows += len(parts[-1])
             offset += h * w * c
-        if len(parts) == len(jobs):  # the usual case: the batch's pixels are already its rows
+        if len(parts) == len(jobs) and not relaid:  # the usual case: the batch's pixels are already its rows
             return pixels.view(-1, spec.patch_dim), spans
         import torch
 

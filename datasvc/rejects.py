@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 # Reasons that are a rule of the run rather than a defect of the data.
 RULE_REASONS = frozenset({"longer_than_seq_len"})
+# What the reader counts that is not a member left out: a fact about samples that are still read.
+NOTED_KEYS = frozenset({"repeated_key"})
 # A user's filter (datasvc.filters): the reason is this prefix and the rule, e.g. "filter:similarity>=0.28".
 RULE_PREFIX = "filter:"
 
@@ -33,6 +35,7 @@ class Accounting:
     quarantined: Counter = field(default_factory=Counter)
     skipped_by_rule: Counter = field(default_factory=Counter)
     ignored_members: Counter = field(default_factory=Counter)  # members that are not samples
+    noted: Counter = field(default_factory=Counter)  # repeated_key: a key seen earlier in its shard
     log: list[Rejection] = field(default_factory=list)
     max_log: int = 1000
 
@@ -43,12 +46,18 @@ class Accounting:
         if len(self.log) < self.max_log:
             self.log.append(Rejection(shard, key, reason, detail[:300]))
 
+    def count_read(self, counts: dict) -> None:
+        """What ``shards.read_samples`` counted besides samples: ignored members and notes."""
+        for name, n in counts.items():
+            (self.noted if name in NOTED_KEYS else self.ignored_members)[name] += n
+
     def merge(self, other: "Accounting") -> None:
         self.read += other.read
         self.delivered += other.delivered
         self.quarantined.update(other.quarantined)
         self.skipped_by_rule.update(other.skipped_by_rule)
         self.ignored_members.update(other.ignored_members)
+        self.noted.update(other.noted)
         room = self.max_log - len(self.log)
         if room > 0:
             self.log.extend(other.log[:room])
@@ -71,7 +80,7 @@ class Accounting:
             "quarantined": dict(self.quarantined),
             "skipped_by_rule": dict(self.skipped_by_rule),
             "ignored_members": dict(self.ignored_members),
-        }
+        } | ({"noted": dict(self.noted)} if self.noted else {})
 
     def write_log(self, path: str) -> None:
         with open(path, "w") as f:

@@ -37,6 +37,9 @@ class VisionSpec:
     max_aspect_ratio: float = 200.0
     # Headers declaring more pixels than this are rejected before any decode is attempted.
     max_decode_pixels: int = 64_000_000
+    # Apply the EXIF orientation (as HF's load_image does), grids from the oriented size; False
+    # uses the stored pixels as they are (datasvc.imagefile).
+    exif_orientation: bool = True
 
     def __post_init__(self):
         if self.min_pixels > self.max_pixels:

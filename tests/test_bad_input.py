@@ -67,7 +67,8 @@ def hostile_shard(tmp_path):
         ("truncjpg.jpg", photo[: len(photo) // 3]), ("truncjpg.txt", b"truncated jpeg"),
         ("zero.jpg", b""), ("zero.txt", b"zero bytes"),
         ("random.jpg", os.urandom(5000)), ("random.txt", b"random bytes"),
-        ("gif.jpg", _gif()), ("gif.txt", b"a gif"),
+        ("gif.jpg", _gif()), ("gif.txt", b"a gif, named .jpg: decoded by what it is"),
+        ("psd.jpg", b"8BPS" + os.urandom(200)), ("psd.txt", b"a Photoshop file, named .jpg"),
         ("notext.jpg", photo),
         ("latin1.jpg", photo), ("latin1.txt", "caf\xe9".encode("latin-1")),
         ("wide.png", encode_image(np.zeros((4, 1000, 3), np.uint8), "png")), ("wide.txt", b"too wide"),
@@ -100,8 +101,8 @@ def _gif() -> bytes:
 
 
 EXPECTED = {
-    "corrupt": {"corrupt_image", "undecodable_image"}, "truncjpg": "corrupt_image", "zero": "empty_image",
-    "random": "undecodable_image", "gif": "unsupported_format", "notext": "missing_text",
+    "corrupt": {"corrupt_image", "undecodable_image", "truncated_image"}, "truncjpg": "truncated_image",
+    "zero": "empty_image", "random": "undecodable_image", "psd": "unsupported_format", "notext": "missing_text",
     "latin1": "text_not_utf8", "wide": "aspect_ratio", "bomb": "too_many_pixels",
     "../escape": "unsafe_member_name", "/abs/olute": "unsafe_member_name",
     "convo": "image_count_mismatch", "badjson": "bad_json", "huge": "text_too_long",
@@ -120,7 +121,7 @@ def test_hostile_shard_is_counted_not_crashed(hostile_shard, qwen3vl, cpu_decode
         allowed = reason if isinstance(reason, set) else {reason}
         assert reasons.get(key) in allowed, (key, reasons.get(key))
     delivered = sorted(s.key for s in res.samples)
-    assert delivered == ["ok_1", "ok_2", "ok_3", "pickled", "unknown"]
+    assert delivered == ["gif", "ok_1", "ok_2", "ok_3", "pickled", "unknown"]
     assert acct.balanced()
     assert acct.read == len(idx.samples)
     assert acct.ignored_members["pickle_never_loaded"] == 2

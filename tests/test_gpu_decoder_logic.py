@@ -38,9 +38,21 @@ def rgba_png() -> bytes:
     return b.getvalue()
 
 
-def jobs_for(blobs: list[bytes]) -> list[DecodeJob]:
-    headers = [probe(b, SPEC.max_decode_pixels) for b in blobs]
-    return [DecodeJob(b, h, SPEC.target_size(h.height, h.width)) for b, h in zip(blobs, headers)]
+def jobs_for(blobs: list) -> list[DecodeJob]:
+    """Jobs as ``preprocess_images`` makes them; a ``Cut`` passes the header checks (see ``Cut``)."""
+    out = []
+    for b in blobs:
+        h = probe(b.whole if isinstance(b, Cut) else b, SPEC.max_decode_pixels)
+        out.append(DecodeJob(b.data if isinstance(b, Cut) else b, h, SPEC.target_size(h.height, h.width)))
+    return out
+
+
+class Cut:
+    """The first third of a JPEG, given to a decoder as if its header checks had passed: how the
+    decoders' own failure handling is tested now that ``probe`` rejects cut files before any decode."""
+
+    def __init__(self, whole: bytes):
+        self.whole, self.data = whole, whole[: len(whole) // 3]
 
 
 def normalized(rows: np.ndarray, job: DecodeJob, dtype=torch.bfloat16) -> torch.Tensor:
@@ -60,17 +72,30 @@ def test_patches_match_cpu_backend(blobs, decoders):
 
 def test_bad_image_isolated_and_pipeline_reused(blobs, decoders):
     gpu, cpu = decoders
-    truncated = blobs[1][: len(blobs[1]) // 3]
-    batch = blobs[:2] + [truncated, cmyk_jpeg()] + blobs[2:7]
-    out = preprocess_images(batch, SPEC, gpu)
+    jobs = jobs_for(blobs[:2] + [Cut(blobs[1]), cmyk_jpeg()] + blobs[2:7])
+    out = gpu.to_pixel_rows(jobs, SPEC)
     assert isinstance(out[2], ImageRejected) and out[2].reason == "corrupt_image"
     assert all(not isinstance(o, ImageRejected) for i, o in enumerate(out) if i != 2)
-    cmyk = out[3][0]
-    np.testing.assert_array_equal(cmyk, preprocess_images([batch[3]], SPEC, cpu)[0][0])  # CPU fallback
+    np.testing.assert_array_equal(out[3], cpu.to_pixel_rows([jobs[3]], SPEC)[0])  # CPU fallback
     # The pipeline keeps working after the failed batch, for calls of every size.
     for n in (1, 4, 5, 9):
         again = preprocess_images(blobs[:n], SPEC, gpu)
         assert len(again) == n and all(not isinstance(o, ImageRejected) for o in again)
+
+
+def test_cut_files_rejected_before_either_decoder(blobs, decoders):
+    """The GPU decoder would fill a cut JPEG with gray; the header checks stop it on both paths."""
+    gpu, cpu = decoders
+    png = io.BytesIO()
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(png, "PNG")
+    cut = [blobs[1][:5000], blobs[2][: len(blobs[2]) // 2], png.getvalue()[:-12]]
+    for decoder in (gpu, cpu):
+        out = preprocess_images(cut + blobs[:2], SPEC, decoder)
+        assert [o.reason for o in out[:3]] == ["truncated_image"] * 3
+        assert all(not isinstance(o, ImageRejected) for o in out[3:])
+    # Bytes after the end-of-image marker (camera trailers) are not a cut.
+    (ok,) = preprocess_images([blobs[1] + b"trailer" * 100], SPEC, cpu)
+    assert not isinstance(ok, ImageRejected)
 
 
 def test_stage_times_reported(blobs, decoders):
@@ -93,8 +118,7 @@ def test_pixel_values_equal_normalized_pixel_rows(blobs, decoders):
 
 def test_pixel_values_in_job_order_with_fallbacks(blobs, decoders):
     gpu, cpu = decoders
-    truncated = blobs[1][: len(blobs[1]) // 3]
-    jobs = jobs_for(blobs[:3] + [cmyk_jpeg(), truncated, rgba_png()] + blobs[3:8])
+    jobs = jobs_for(blobs[:3] + [cmyk_jpeg(), Cut(blobs[1]), rgba_png()] + blobs[3:8])
     pil_needed, corrupt = (3, 5), 4
     ours = gpu.to_pixel_values(jobs, SPEC, torch.float32)
     assert len(ours) == len(jobs)
@@ -116,9 +140,8 @@ def test_pixel_values_in_job_order_with_fallbacks(blobs, decoders):
 
 def test_stream_matches_per_call_results_and_recovers(blobs, decoders):
     gpu, _ = decoders
-    truncated = blobs[1][: len(blobs[1]) // 3]
     batches = [jobs_for(blobs[:3]),
-               jobs_for(blobs[3:6] + [cmyk_jpeg(), truncated] + blobs[6:9]),  # over max_batch, a bad image
+               jobs_for(blobs[3:6] + [cmyk_jpeg(), Cut(blobs[1])] + blobs[6:9]),  # over max_batch, a bad image
                [],
                jobs_for([rgba_png(), cmyk_jpeg()]),  # nothing for DALI at all
                jobs_for(blobs[:1])]
@@ -151,3 +174,56 @@ def test_stream_pulls_lazily_and_can_be_abandoned(blobs, decoders):
     assert len(again) == 3
     for values, r, job in zip(again, gpu.to_pixel_rows(jobs, SPEC), jobs):
         assert torch.equal(values, normalized(r, job))
+
+
+def oriented_jpeg(img: np.ndarray, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    b = io.BytesIO()
+    Image.fromarray(img).save(b, "JPEG", quality=92, exif=exif.tobytes())
+    return b.getvalue()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orient_is_pils_exif_transpose(orientation):
+    from PIL import ImageOps
+
+    from datasvc.imagefile import orient
+
+    img = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    pil = Image.fromarray(img)
+    pil.info["exif"] = exif.tobytes()
+    want = np.asarray(ImageOps.exif_transpose(pil))
+    np.testing.assert_array_equal(orient(img, orientation), want)
+    np.testing.assert_array_equal(orient(torch.from_numpy(img), orientation).numpy(), want)
+
+
+def test_header_says_the_oriented_size_and_what_to_apply(blobs):
+    photo = real_photos()[1][1]  # 451 wide, 300 high
+    for orientation in range(1, 9):
+        data = oriented_jpeg(photo, orientation)
+        h = probe(data, SPEC.max_decode_pixels)
+        turned = orientation >= 5
+        assert (h.width, h.height) == ((300, 451) if turned else (451, 300)) and h.orientation == orientation
+        assert h.stored_hw == (300, 451)
+        job = DecodeJob(data, h, SPEC.target_size(h.height, h.width))
+        assert job.decode_hw == (job.target_hw[::-1] if turned else job.target_hw)
+        ignored = probe(data, SPEC.max_decode_pixels, exif_orientation=False)
+        assert (ignored.width, ignored.height, ignored.orientation) == (451, 300, 1)
+
+
+def test_both_decoders_orient_the_same(decoders):
+    gpu, cpu = decoders
+    photo = real_photos()[1][1]
+    blobs = [oriented_jpeg(photo, o) for o in range(1, 9)]
+    ours, ref = preprocess_images(blobs, SPEC, gpu), preprocess_images(blobs, SPEC, cpu)
+    upright = ref[0][0].reshape(ref[0][1][1] * 16, ref[0][1][2] * 16, 3).astype(np.float32)
+    for o, (p, grid), (q, ref_grid) in zip(range(1, 9), ours, ref):
+        assert grid == ref_grid and grid[1:] == ((ref[0][1][2], ref[0][1][1]) if o >= 5 else ref[0][1][1:])
+        assert np.abs(p.astype(np.float32) - q).mean() < 4.0, o
+        if o in (1, 2, 3, 4):  # the stored image flipped back is the upright one
+            img = q.reshape(grid[1] * 16, grid[2] * 16, 3)
+            back = {1: img, 2: img[:, ::-1], 3: img[::-1, ::-1], 4: img[::-1]}[o]
+            assert np.abs(back.astype(np.float32) - upright).mean() < 2.0, o

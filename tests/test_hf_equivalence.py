@@ -175,3 +175,81 @@ def test_pixel_rows_become_the_same_pixel_values_on_cuda():
     np.testing.assert_allclose(got.cpu().numpy(), want, atol=1e-6)
     got16 = to_pixel_values(torch.from_numpy(rows).cuda(), spec, grids, torch.bfloat16)
     np.testing.assert_allclose(got16.float().cpu().numpy(), want, atol=1 / 128)
+
+
+def exif_with(orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif.tobytes()
+
+
+def oriented(fmt: str, orientation: int) -> bytes:
+    b = io.BytesIO()
+    img = Image.fromarray(real_photos()[1][1])  # chelsea: landscape, 451x300
+    img.save(b, fmt, exif=exif_with(orientation), **({"quality": 92} if fmt == "JPEG" else {}))
+    return b.getvalue()
+
+
+def reference_loaded(data: bytes, spec):
+    """HF's own path from a file: ``load_image`` (EXIF transpose, RGB), then the processor."""
+    from transformers.image_utils import load_image
+
+    out = hf_processor(spec)(images=[load_image(Image.open(io.BytesIO(data)))], return_tensors="np")
+    return np.asarray(out["pixel_values"], dtype=np.float32), np.asarray(out["image_grid_thw"])[0]
+
+
+@pytest.mark.parametrize("fmt,orientation", [("JPEG", o) for o in range(1, 9)] + [("PNG", 6), ("WEBP", 8)])
+def test_exif_orientation_matches_hf_load_image(cpu_decoder, fmt, orientation):
+    spec = VisionSpec(max_pixels=512 * 512)
+    data = oriented(fmt, orientation)
+    pv, grid = ours(data, spec, cpu_decoder)
+    ref_pv, ref_grid = reference_loaded(data, spec)
+    assert tuple(grid) == tuple(ref_grid)  # portrait grids for 5-8: from the oriented size
+    assert float(np.abs(pv - ref_pv).mean()) < MAX_MAD
+
+
+def test_exif_orientation_can_be_ignored(cpu_decoder):
+    spec = VisionSpec(max_pixels=512 * 512, exif_orientation=False)
+    data = oriented("JPEG", 6)
+    pv, grid = ours(data, spec, cpu_decoder)
+    ref_pv, ref_grid = reference(data, spec)  # the processor on the stored pixels, no transpose
+    assert tuple(grid) == tuple(ref_grid) and grid[1] < grid[2]  # stays landscape
+    assert float(np.abs(pv - ref_pv).mean()) < MAX_MAD
+
+
+def test_orientation_option_reaches_the_pipeline():
+    from datasvc.registry import get_pipeline
+
+    assert get_pipeline("qwen3vl").vision.exif_orientation is True
+    assert get_pipeline("qwen3vl", exif_orientation=False).vision.exif_orientation is False
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "BMP", "TIFF"])
+def test_gif_bmp_tiff_match_hf(cpu_decoder, fmt):
+    img = Image.fromarray(real_photos()[0][1])  # astronaut
+    b = io.BytesIO()
+    if fmt == "GIF":  # animated: the first frame is the image, as PIL and HF read it
+        img.save(b, "GIF", save_all=True, append_images=[img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)])
+    else:
+        img.save(b, fmt)
+    spec = VisionSpec(max_pixels=512 * 512)
+    pv, grid = ours(b.getvalue(), spec, cpu_decoder)
+    ref_pv, ref_grid = reference_loaded(b.getvalue(), spec)
+    assert tuple(grid) == tuple(ref_grid)
+    assert float(np.abs(pv - ref_pv).mean()) < MAX_MAD
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
+    """``--decode gpu``: nvJPEG decodes the stored frame, the header's orientation is applied after
+    the resize on the GPU; the result is HF's ``load_image`` + processor, as on the CPU path."""
+    from datasvc.decode import GpuDecoder
+
+    spec = VisionSpec(max_pixels=512 * 512)
+    data = oriented("JPEG", orientation)
+    pv, grid = ours(data, spec, GpuDecoder(device_id=0, num_threads=2, max_batch=8))
+    ref_pv, ref_grid = reference_loaded(data, spec)
+    assert tuple(grid) == tuple(ref_grid)
+    assert float(np.abs(pv - ref_pv).mean()) < MAX_MAD

@@ -33,6 +33,7 @@ class Qwen3VLOptions:
     max_decode_pixels: int = 64_000_000
     tokenizer: str | None = None  # None: bundled Qwen3 tokenizer files; else a model id or path
     caption_prompt: str = ""
+    exif_orientation: bool = True  # False: images as stored, their EXIF orientation ignored
 
 
 class Qwen3VLPipeline:
@@ -59,7 +60,7 @@ def _vision(options: Qwen3VLOptions) -> VisionSpec:
     return VisionSpec(patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
                       min_pixels=options.min_pixels, max_pixels=options.max_pixels,
                       image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                      max_decode_pixels=options.max_decode_pixels)
+                      max_decode_pixels=options.max_decode_pixels, exif_orientation=options.exif_orientation)
 
 
 def build(**options) -> Qwen3VLPipeline:

@@ -1,0 +1,206 @@
+"""Encoded image files before any pixel is decoded: the header probe, and the checks and transforms
+every decode path shares.
+
+``probe`` reads the header only: size, format, mode, EXIF orientation. It applies the pixel cap, and
+checks that the file is whole (a JPEG's end-of-image marker after its scan, a PNG's IEND chunk, a
+WebP's RIFF length), so that the CPU and GPU decoders deliver the same images: a GPU decoder fills a
+cut JPEG with gray where the CPU decoder raises.
+
+Orientation, one policy on every path: by default the EXIF orientation is applied, as HF's
+``load_image`` (``PIL.ImageOps.exif_transpose``) and PIL-based loaders do, and grids come from the
+oriented size; with ``exif_orientation=False`` the stored pixels are used as they are. Decoders never
+orient by themselves: they decode the stored frame, resize it to the target in that frame
+(``DecodeJob.decode_hw``) and then ``orient`` the small result, which costs a copy of the resized
+image and only for images that carry an orientation.
+
+PIL's own decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) is left as the process has it: the
+header cap here is what protects memory, and only an image that passed it and is still over PIL's
+limit is opened with PIL's limit lifted, under a lock, for that one call.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from datasvc.vision import ImageRejected
+
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""What PIL may parse here: fewer parsers exposed to hostile bytes. HF's processor reads these too.
+(PIL's JPEG opener also gives MPO, the multi-picture JPEG of cameras: its first picture is decoded.)"""
+_UNDECODED_MAGIC = ((b"8BPS", "PSD"), (b"\x00\x00\x01\x00", "ICO"), (b"%!PS", "EPS"), (b"\xff\x0a", "JPEG XL"),
+                    (b"\x00\x00\x00\x0cJXL ", "JPEG XL"), (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"), (b"<svg", "SVG"))
+_FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}
+# EXIF orientation -> (transpose, flip rows, flip columns), applied in that order; PIL's
+# ImageOps.exif_transpose table (2 FLIP_LEFT_RIGHT ... 8 ROTATE_90) written as array operations.
+ORIENTATIONS = {2: (False, False, True), 3: (False, True, True), 4: (False, True, False), 5: (True, False, False),
+                6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
+
+
+@dataclass(frozen=True, slots=True)
+class ImageHeader:
+    width: int  # as the model sees it: after the orientation is applied
+    height: int
+    format: str
+    mode: str
+    progressive: bool = False
+    orientation: int = 1  # the EXIF orientation decoders apply (1: none, or the policy ignores it)
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    @property
+    def stored_hw(self) -> tuple[int, int]:
+        """(height, width) of the pixels as stored in the file, before orientation."""
+        return (self.width, self.height) if self.orientation >= 5 else (self.height, self.width)
+
+
+_LIMIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def pil_limits(pixels: int):
+    """PIL quiet, and its bomb limit out of the way of an image of ``pixels`` that our own cap
+    already allowed. The process-wide limit is touched only when it would refuse such an image."""
+    limit = Image.MAX_IMAGE_PIXELS
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if limit is None or pixels <= 2 * limit:
+            yield
+            return
+        with _LIMIT_LOCK:
+            Image.MAX_IMAGE_PIXELS = None
+            try:
+                yield
+            finally:
+                Image.MAX_IMAGE_PIXELS = limit
+
+
+def _open(data: bytes, max_pixels: int):
+    try:
+        with pil_limits(0):
+            return Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:  # over PIL's limit: our cap decides
+        limit = Image.MAX_IMAGE_PIXELS
+        if limit is not None and max_pixels <= 2 * limit:
+            raise ImageRejected("too_many_pixels", f"header declares over {2 * limit} pixels > cap {max_pixels}")
+        with pil_limits(max_pixels):
+            return Image.open(io.BytesIO(data), formats=FORMATS)
+
+
+def _undecoded_format(data: bytes) -> str:
+    if data[4:8] == b"ftyp" and data[8:12] in _FTYP_BRANDS:
+        return _FTYP_BRANDS[data[8:12]]
+    return next((name for magic, name in _UNDECODED_MAGIC if data.startswith(magic)), "")
+
+
+def probe(data: bytes, max_pixels: int, exif_orientation: bool = True) -> ImageHeader:
+    """Parse the header only; reject what must not be decoded, or is not whole."""
+    if not data:
+        raise ImageRejected("empty_image", "zero bytes")
+    try:
+        img = _open(data, max_pixels)
+        width, height = img.size
+        orientation = read_orientation(img) if exif_orientation else 1
+        fmt = img.format or "?"
+        progressive = bool(img.info.get("progressive") or img.info.get("progression"))
+        mode = img.mode
+    except ImageRejected:
+        raise
+    except Exception as exc:  # PIL raises many types for garbage bytes
+        known = _undecoded_format(data)
+        if known:
+            raise ImageRejected("unsupported_format", known) from None
+        raise ImageRejected("undecodable_image", f"{type(exc).__name__}: {exc}"[:200]) from None
+    if width * height > max_pixels:
+        raise ImageRejected("too_many_pixels", f"header declares {width}x{height} > cap {max_pixels}")
+    if width * height == 0:
+        raise ImageRejected("empty_image", f"{width}x{height}")
+    check_whole(data, fmt)
+    if orientation >= 5:
+        width, height = height, width
+    return ImageHeader(width, height, fmt, mode, progressive, orientation)
+
+
+def read_orientation(img) -> int:
+    """The EXIF orientation PIL's ``exif_transpose`` would apply (EXIF tag, else XMP), 1 if none.
+    ``Image.Image.getexif`` reads what the header held: PNG's own ``getexif`` would decode the
+    image to look for an eXIf chunk after the pixel data (HF, which loads first, sees that one)."""
+    if "exif" not in img.info and "xmp" not in img.info and "XML:com.adobe.xmp" not in img.info \
+            and "Raw profile type exif" not in img.info and img.format != "TIFF":
+        return 1
+    try:
+        value = Image.Image.getexif(img).get(0x0112, 1)
+    except Exception:  # unreadable EXIF: the stored pixels, as PIL shows them
+        return 1
+    return value if isinstance(value, int) and value in ORIENTATIONS else 1
+
+
+def check_whole(data: bytes, fmt: str) -> None:
+    """Reject a file cut short. Every decoder gets only whole files, so both paths agree."""
+    if fmt in ("JPEG", "MPO"):
+        why = _jpeg_cut(data)
+    elif fmt == "PNG":
+        why = "" if data.rfind(b"IEND\xaeB`\x82", 33) >= 0 else "no IEND chunk"
+    elif fmt == "WEBP":
+        declared = 8 + int.from_bytes(data[4:8], "little")
+        why = "" if len(data) >= declared else f"RIFF declares {declared} bytes, file has {len(data)}"
+    else:
+        return  # GIF, BMP, TIFF: decoded by PIL on every path, which raises on a cut file
+    if why:
+        raise ImageRejected("truncated_image", why)
+
+
+def _jpeg_cut(data: bytes) -> str:
+    """Walk the markers to the first scan; an end-of-image marker must follow it (0xFF in scan data
+    is stuffed, so FFD9 there is the real marker)."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return f"no marker at byte {i} before the first scan"
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker == 0xDA:
+            return "" if data.rfind(b"\xff\xd9", i + 2 + length) >= 0 else "no end-of-image marker after the scan"
+        if marker == 0xD9:
+            return "end-of-image before any scan"
+        i += 2 + length
+    return "cut before its first scan"
+
+
+def pil_decode_rgb(data: bytes, pixels: int = 0) -> np.ndarray:
+    """The HF processor's conversion: PIL ``convert("RGB")`` (alpha dropped, CMYK/palette mapped;
+    an animated GIF or multi-page TIFF gives its first frame), stored orientation."""
+    with pil_limits(pixels):
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+        img.load()
+        return np.asarray(img.convert("RGB"))
+
+
+def orient(image, orientation: int):
+    """An HWC image (numpy array or torch tensor) with an EXIF orientation applied, as
+    ``ImageOps.exif_transpose`` would; the input itself for orientation 1."""
+    if orientation not in ORIENTATIONS:
+        return image
+    transpose, flip_rows, flip_cols = ORIENTATIONS[orientation]
+    if isinstance(image, np.ndarray):
+        x = image.transpose(1, 0, 2) if transpose else image
+        x = x[::-1] if flip_rows else x
+        return np.ascontiguousarray(x[:, ::-1] if flip_cols else x)
+    import torch
+
+    x = image.permute(1, 0, 2) if transpose else image
+    dims = [d for d, on in ((0, flip_rows), (1, flip_cols)) if on]
+    return (torch.flip(x, dims) if dims else x).contiguous()
