@@ -136,7 +136,7 @@ def _moves(cfg, gpus: int):
     if cfg.model.preset in MODEL_LADDER:
         here = MODEL_LADDER.index(cfg.model.preset)
         for i, preset in enumerate(MODEL_LADDER[here + 1:], start=here + 1):
-            yield 8 + i, f"--model-preset {preset}", with_model(cfg, preset), gpus
+            yield 12 + i, f"--model-preset {preset}", with_model(cfg, preset), gpus  # after up to 64x the GPUs
 
 
 def nearest_fits(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = None,
