@@ -129,15 +129,16 @@ def model_states(cfg, lay: Layout, first: bool, last: bool) -> dict[str, float]:
     s = _stage_params(cfg.model.arch(), lay, cfg.model, first, last)
     dense, experts = s.dense - s.frozen_dense, s.experts - s.frozen_experts  # trained
     frozen = s.frozen_dense + s.frozen_experts
+    dp = lay.dp * lay.cp  # Megatron shards gradients and optimizer state over data x context parallel
     if cfg.parallel.strategy == "fsdp":
-        shard = dense / lay.dp + experts / lay.expert_dp
-        gathered = 2 * s.layer if lay.dp > 1 else 0.0  # the layer in use and the one prefetched
-        return {"weights_bf16": BF16 * (frozen / lay.dp + shard + gathered) / GIB,
+        shard = dense / dp + experts / lay.expert_dp
+        gathered = 2 * s.layer if dp > 1 else 0.0  # the layer in use and the one prefetched
+        return {"weights_bf16": BF16 * (frozen / dp + shard + gathered) / GIB,
                 "grads": BF16 * shard / GIB,
                 "main_params_fp32": FP32 * shard / GIB,
                 "optimizer_states": 2 * FP32 * shard / GIB,
                 "optimizer_step_extra": FP32 * shard / GIB}
-    shard = dense / lay.dp + experts / lay.expert_dp
+    shard = dense / dp + experts / lay.expert_dp
     return {"weights_bf16": BF16 * (s.dense + s.experts) / GIB, "grads": FP32 * (dense + experts) / GIB,
             "main_params_fp32": FP32 * shard / GIB, "optimizer_states": 2 * FP32 * shard / GIB,
             "optimizer_step_extra": 0.0}
