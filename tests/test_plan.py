@@ -134,7 +134,12 @@ def job(strategy="fsdp", mbs=1, recompute="none", chunk=0, expandable=False, gpu
         train=TrainConfig(mbs=mbs, gbs=mbs * dp, seq_len=4096, expandable_segments=expandable))
 
 
-@pytest.mark.parametrize("case", RECORDED, ids=lambda c: f"{c[0][:-5]}-{c[1]}-{c[2]}-mbs{c[3]}-{c[4]}-g{c[7]}")
+def _case_id(c) -> str:
+    extra = [f"chunk{c[5]}"] * bool(c[5]) + ["expandable"] * c[6] + ["frozen-vision"] * c[9]
+    return "-".join([c[1], c[2], f"mbs{c[3]}", f"recompute-{c[4]}", *extra, f"{c[7]}gpu"])
+
+
+@pytest.mark.parametrize("case", RECORDED, ids=_case_id)
 def test_recorded_peaks_within_ten_percent(case):
     name, strategy, source, mbs, rc, chunk, exp, gpus, ep, frozen, fill, measured = case
     peaks = recorded_peaks()

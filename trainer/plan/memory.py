@@ -30,7 +30,7 @@ from pipelines.qwen3vl.arch import Qwen3VLArch
 GIB = 2**30
 BF16, FP32 = 2, 4
 # fitted: cuDNN attention buffers of the vision tower, bytes per (patch, patch) pair of one call
-# (54.75 GiB asked for at MBS 8 x 4,096-token image-heavy rows in one call, docs/benchmarks.md S2.1).
+# (54.75 GiB asked for at MBS 8 x 4,096-token image-heavy rows in one call, on one H200).
 VISION_ATTENTION_BYTES_PER_PAIR = 4.2
 # fitted: PyTorch allocations outside the peak model's parts (router state, small buffers, caching)
 # are folded into the per-token constants below; what lies outside the allocator is this much.
