@@ -75,6 +75,14 @@ class ServiceConfig:
     filters: tuple[str, ...] = ()
     """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
     the others are counted as skipped_by_rule under the rule (grammar: datasvc.filters)."""
+    balance_dp: bool = False
+    """Deal each optimizer step's micro-batches of all DP ranks so that the costliest rank is as cheap
+    as possible (``datasvc.balanced``): every feeder plans every rank's micro-batches from image
+    headers, then decodes only its share. Needs ``micro_batches_per_step``."""
+    micro_batches_per_step: int = 1
+    """GBS / (DP x MBS): the micro-batches a DP rank trains per optimizer step (what ``balance_dp`` deals)."""
+    balance_cost: dict = field(default_factory=dict)
+    """Options of the pipeline's ``cost_model`` (``preset``, ``calibration``) that ``balance_dp`` uses."""
 
     def __post_init__(self):
         if isinstance(self.shards, str):
@@ -117,6 +125,9 @@ class ServiceConfig:
         unknown = set(self.fault_injection) - {"kill_on_key", "raise_on_key", "address_space_bytes"}
         if unknown:
             problems.append(f"unknown fault_injection keys {sorted(unknown)}")
+        if self.micro_batches_per_step < 1 or (self.balance_dp and self.micro_batches_per_step < 2):
+            problems.append(f"micro_batches_per_step={self.micro_batches_per_step}: balance_dp deals a step's micro-batches "
+                            "between ranks, so set it to GBS / (DP x MBS) >= 2 (with 1 there is nothing to deal)")
         if problems:
             raise ValueError("invalid data service config: " + "; ".join(problems))
 
@@ -132,5 +143,7 @@ class ServiceConfig:
             fields["filters"] = list(self.filters)
         if self.chain_blocks != 1:
             fields["chain_blocks"] = self.chain_blocks
+        if self.balance_dp:
+            fields["balance_dp"] = [self.micro_batches_per_step, self.balance_cost]
         blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -281,3 +281,67 @@ def test_feeders_that_derive_the_same_plan_train_disjoint_micro_batches(mixed):
         assert len(set(flat)) == len(flat) == dp * per_rank
     later = list(balance.balance_streams([s[per_rank:] for s in streams()], per_rank, model))
     assert later == views[0][1:]
+
+
+# ---- the balanced stream ----------------------------------------------------------------------------
+def stream_config(shards, **kw):
+    from datasvc.config import ServiceConfig
+
+    base = dict(shards=tuple(shards), seq_len=1024, micro_batch_size=1, samples_per_item=4, items_per_block=3,
+                pipeline_options={"max_pixels": 512 * 512}, epochs=1, dp_size=2, balance_dp=True,
+                micro_batches_per_step=2)
+    base.update(kw)
+    return ServiceConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def mixed_shards(tmp_path_factory):
+    return write_mixed_shards(tmp_path_factory.mktemp("mixed-stream"), n=64, seed=1)
+
+
+def test_balanced_streams_of_all_ranks_are_disjoint_and_fill_every_step(mixed_shards):
+    from datasvc.balanced import BalancedProducer
+    from datasvc.producer import BlockProducer
+
+    cfg = stream_config(mixed_shards)
+    got = {r: list(BalancedProducer(cfg, r).micro_batches()) for r in range(2)}
+    steps = min(len(g) for g in got.values()) // 2
+    assert steps >= 2 and len(got[0]) == len(got[1]) == 2 * steps
+    keys = {r: [k for b, _ in got[r] for k in b.sample_keys] for r in range(2)}
+    assert not set(keys[0]) & set(keys[1])
+    assert [p.step for _, p in got[0]] == list(range(2 * steps))
+    # Each step holds exactly the micro-batches the ranks would have trained unbalanced, dealt anew.
+    plain = unbalanced_config(cfg)
+    own = {r: list(BlockProducer(plain, r).micro_batches()) for r in range(2)}
+    for s in range(steps):
+        balanced = sorted(k for r in range(2) for b, _ in got[r][2 * s:2 * s + 2] for k in b.sample_keys)
+        unbalanced = sorted(k for r in range(2) for b, _ in own[r][2 * s:2 * s + 2] for k in b.sample_keys)
+        assert balanced == unbalanced
+    # Pixels came through: the merged micro-batches carry the decoded rows of their images.
+    b = got[0][0][0]
+    assert b.pixels.shape[0] == int(b.image_grid_thw.prod(axis=1).sum()) and b.pixels.shape[1] > 0
+
+
+def unbalanced_config(cfg):
+    import dataclasses
+
+    return dataclasses.replace(cfg, balance_dp=False, micro_batches_per_step=1)
+
+
+def test_balanced_stream_resumes_exactly_and_reports_its_straggler_ratio(mixed_shards):
+    from datasvc.balanced import BalancedProducer
+
+    cfg = stream_config(mixed_shards)
+    full = BalancedProducer(cfg, 1)
+    reference = [b.sample_keys for b, _ in full.micro_batches()]
+    stats = full.stats()["balance"]
+    assert stats["steps"] == len(reference) // 2
+    assert stats["straggler_ratio"] <= stats["straggler_ratio_unbalanced"]
+    for cut in (2, 3):  # a step boundary and the middle of a step
+        again = BalancedProducer(cfg, 1, start={"step": cut})
+        assert [b.sample_keys for b, _ in again.micro_batches()] == reference[cut:]
+
+
+def test_balance_dp_without_a_step_size_fails_fast(mixed_shards):
+    with pytest.raises(ValueError, match="micro_batches_per_step"):
+        stream_config(mixed_shards, micro_batches_per_step=1)

@@ -1,0 +1,220 @@
+"""A DP rank's vision-balanced stream (``ServiceConfig.balance_dp``), with no Ray and no coordinator.
+
+Every feeder plans every rank's micro-batches, then trains only its share:
+
+1. **Plan.** One ``BlockProducer`` per DP rank runs the ordinary plan (epoch order, blocks, chains,
+   packing) over ``HeaderProcessor``: each sample's exact token rows and patch count from its image
+   headers and the pipeline's encoder, no pixel decoded. Packing depends on nothing else, so every
+   feeder derives the same micro-batches for every rank, bit for bit.
+2. **Deal.** Each optimizer step takes the next ``micro_batches_per_step`` planned micro-batches
+   of every rank and ``balance.balance_step`` deals them so that the costliest rank is as cheap as
+   possible: a pure function of the plan, identical in every feeder, a partition of the step.
+3. **Make.** The feeder decodes the samples of the micro-batches dealt to it (any actor can process
+   any samples: work items are shard ranges) and merges them into the planned rows.
+
+A sample whose pixels fail to decode after its header passed leaves its row one sample shorter
+(counted as a rejection); the deal stands. The stream ends at the last step every rank can fill.
+Resume: a ``Position``'s ``step`` (micro-batches delivered) says where; the plan is replayed from
+the start from headers (no decode), which costs header reads of every rank's data up to there.
+"""
+from __future__ import annotations
+
+import threading
+from itertools import islice
+from typing import Iterator
+
+import numpy as np
+
+from datasvc import balance
+from datasvc.batch import EncodedSample, PackedBatch
+from datasvc.config import ServiceConfig
+from datasvc.packing import PackingConfig, merge
+from datasvc.plan import EpochPlan, Position
+from datasvc.process import ItemResult, WorkItem
+from datasvc.producer import BlockProducer, InlineRunner
+from datasvc.rejects import Accounting
+from datasvc.stats import StageTimes, StreamStats
+
+
+class HeaderProcessor:
+    """A work item's samples as the plan needs them: exact token rows, and as many zero-width pixel
+    rows as the sample has patches (packing counts patches by rows). Rejections as the run counts
+    them where headers tell (read problems, missing text, the user's rules, image headers, encoding)."""
+
+    def __init__(self, cfg: ServiceConfig):
+        from datasvc.filters import SampleRules
+        from datasvc.registry import get_pipeline
+        from datasvc.shards import ReadLimits
+
+        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+        self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
+        self.rules = SampleRules.parse(cfg.filters)
+
+    def __call__(self, item: WorkItem) -> ItemResult:
+        from datasvc.process import encode_from_headers
+        from datasvc.shards import read_samples
+
+        acct, out = Accounting(), []
+        for raw in read_samples(item.shard, list(item.samples), self.limits):
+            acct.read += 1
+            if not raw.problem and raw.text is None and raw.conversation is None:
+                acct.reject(raw.shard, raw.key, "missing_text", "no txt or json member")
+                continue
+            broken = self.rules.check(raw) if self.rules and not raw.problem else None
+            if broken:
+                acct.reject(raw.shard, raw.key, broken, "")
+                continue
+            try:
+                ids, labels, grids = encode_from_headers(raw, self.pipeline)
+            except ValueError as exc:  # ImageRejected, SampleRejected: reason and detail
+                acct.reject(raw.shard, raw.key, getattr(exc, "reason", "encode_error"), getattr(exc, "detail", ""))
+                continue
+            patches = sum(t * h * w for t, h, w in grids)
+            out.append(EncodedSample(raw.key, raw.shard, ids, labels, np.zeros((patches, 0), np.uint8),
+                                     np.asarray(grids, np.int64).reshape(-1, 3)))
+        return ItemResult(item.item_id, out, acct, StageTimes())
+
+
+class BalancedProducer:
+    """Rank ``rank``'s balanced stream; the same interface as ``BlockProducer`` (``micro_batches``,
+    ``position``, ``stop``, ``stats``, ``start``), so the feeder runs either."""
+
+    def __init__(self, cfg: ServiceConfig, rank: int = 0, start: Position | dict | None = None,
+                 process=None, *, plan: EpochPlan | None = None):
+        from datasvc.registry import get_layout
+
+        if not cfg.balance_dp:
+            raise ValueError("BalancedProducer needs ServiceConfig.balance_dp=True")
+        self.cfg, self.rank, self.k = cfg, rank, cfg.micro_batches_per_step
+        self.start = start if isinstance(start, Position) else Position(**start) if start else Position()
+        self.plan = plan if plan is not None else EpochPlan(cfg)
+        self.model = balance.cost_model(cfg.pipeline, **cfg.balance_cost)
+        header = HeaderProcessor(cfg)
+        self.planners = [BlockProducer(cfg, r, None, header, plan=self.plan) for r in range(cfg.dp_size)]
+        if process is None:
+            from datasvc.process import ItemProcessor
+
+            process = ItemProcessor(cfg)
+        self.runner = process if hasattr(process, "submit") else InlineRunner(process)
+        layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
+        self.packing = PackingConfig(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, pad_id=layout.pad_id)
+        self.spec = layout.vision
+        self.where = {f"{idx.path}/{s.key}": (idx.path, i, s) for idx in self.plan.indexes
+                      for i, s in enumerate(idx.samples)}
+        self.acct, self.times, self.stream = Accounting(), StageTimes(), StreamStats()
+        self.ratios: list[tuple[float, float]] = []  # (unbalanced, balanced) per step made here
+        self._next, self._stop, self._lock = self.start, False, threading.Lock()
+
+    # ---- the stream ------------------------------------------------------------------------------
+    def micro_batches(self) -> Iterator[tuple[PackedBatch, Position]]:
+        first_step = self.start.step // self.k
+        for s, (planned, out) in enumerate(self._steps()):
+            if s < first_step:
+                continue
+            mine = [planned[i] for i in out.ranks[self.rank]]
+            made = self._make([b for b, _ in mine])
+            if made is None:  # stopped
+                return
+            with self._lock:
+                self.ratios.append((out.straggler_ratio_unbalanced, out.straggler_ratio))
+            for j, (batch, (_, src)) in enumerate(zip(made, mine)):
+                m = s * self.k + j
+                if m < self.start.step:
+                    continue
+                pos = Position(src.epoch, src.block, src.batch, m)
+                self._hand_out(batch, pos)
+                yield batch, pos
+
+    def position(self) -> Position:
+        return self._next
+
+    def stop(self) -> None:
+        self._stop = True
+        for p in self.planners:
+            p.stop()
+
+    def stats(self) -> dict:
+        with self._lock:
+            ratios = np.asarray(self.ratios).reshape(-1, 2)
+            own = self.planners[self.rank].acct  # header-time rejections of this rank's own items
+            acct = Accounting()
+            acct.merge(own)
+            acct.merge(self.acct)
+            acct.read = own.read
+            return {
+                "rank": self.rank, "start": self.start.as_dict(), "position": self._next.as_dict(),
+                "accounting": acct.as_dict(), "stages": self.times.as_dict(), **self.stream.as_dict(),
+                "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
+                               for r in acct.log[-50:]],
+                "balance": {"steps": len(ratios), "cost_model": self.model.source,
+                            "straggler_ratio": float(ratios[:, 1].mean()) if len(ratios) else None,
+                            "straggler_ratio_unbalanced": float(ratios[:, 0].mean()) if len(ratios) else None},
+            }
+
+    # ---- plan and deal ---------------------------------------------------------------------------
+    def _steps(self):
+        """(every rank's planned micro-batches of the step, rank 0's first, and the deal), per step."""
+        streams = [iter(p.micro_batches()) for p in self.planners]
+        while not self._stop:
+            planned = []
+            for r, it in enumerate(streams):
+                got = list(islice(it, self.k))
+                if len(got) < self.k:
+                    return
+                planned.extend(got)
+            shapes = [balance.shape_of(b, key=f"{i // self.k}/{p.epoch}/{p.block}/{p.batch}")
+                      for i, (b, p) in enumerate(planned)]
+            yield planned, balance.balance_step(shapes, self.cfg.dp_size, self.model)
+
+    # ---- make this rank's micro-batches --------------------------------------------------------------
+    def _make(self, planned: list[PackedBatch]) -> list[PackedBatch] | None:
+        """Decode the planned micro-batches' samples and merge them into the planned rows."""
+        by_shard: dict[str, list] = {}
+        for batch in planned:
+            for key in batch.sample_keys:
+                path, at, index = self.where[key]
+                by_shard.setdefault(path, []).append((at, index))
+        items = [WorkItem(path, min(at for at, _ in got), tuple(s for _, s in sorted(got, key=lambda x: x[0])))
+                 for path, got in sorted(by_shard.items())]
+        results = self._run(items)
+        if results is None:
+            return None
+        encoded: dict[str, EncodedSample] = {}
+        with self._lock:
+            for r in results:
+                self.acct.merge(r.accounting)
+                self.times.merge(r.times)
+                self.stream.images += r.images
+                self.stream.megapixels += r.megapixels
+                encoded.update((f"{s.shard}/{s.key}", s) for s in r.samples)
+        out = []
+        for batch in planned:
+            rows: list[list[EncodedSample]] = [[] for _ in range(batch.tokens.shape[0])]
+            for key, row in zip(batch.sample_keys, batch.sample_rows.tolist()):
+                if key in encoded:
+                    rows[row].append(encoded[key])
+            out.append(merge(rows, self.packing, self.spec.patch_dim))
+        return out
+
+    def _run(self, items: list[WorkItem]) -> list[ItemResult] | None:
+        pending, done = list(enumerate(items)), {}
+        while len(done) < len(items):
+            if self._stop:
+                return None
+            while pending and self.runner.has_room() and self.runner.submit(pending[0][0], pending[0][1]):
+                pending.pop(0)
+            done.update(self.runner.collect(timeout=0.2))
+        return [done[i] for i in range(len(items))]
+
+    def _hand_out(self, batch: PackedBatch, pos: Position) -> None:
+        with self._lock:
+            self.acct.delivered += len(batch.sample_keys)
+            grids = batch.image_grid_thw
+            vision = int(grids.prod(axis=1).sum()) // self.spec.merge_size**2 if len(grids) else 0
+            s = self.stream
+            s.vision_tokens += vision
+            s.text_tokens += batch.real_tokens - vision
+            s.real_tokens += batch.real_tokens
+            s.row_tokens += batch.tokens.size
+            s.micro_batches += 1
+            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1)
