@@ -1,0 +1,124 @@
+"""Shards on object storage (``s3://``, ``gs://``, any fsspec URL), read by offset as local shards are.
+
+An archive is read with ranged GETs: indexing reads headers through a small read-ahead window,
+and a work item reads only its samples' bytes; no shard is downloaded whole. Credentials and the
+endpoint come the usual way for the store (for S3: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
+/ ``AWS_ENDPOINT_URL`` for an S3-compatible server, or ``~/.aws``), so set them in the Ray job's
+environment for the preprocessing actors too.
+
+A failed GET (a dropped connection, a cut body, a timeout) is retried with backoff, up to
+``ATTEMPTS`` times, and counted (``counters()``: gets, bytes, retries, failures); the store's own
+client is asked not to retry on its own so that every retry is seen. When the attempts run out
+the read raises ``OSError``, which costs the samples being read, counted under their reason.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+ATTEMPTS = 4
+WINDOW = 256 << 10  # bytes fetched at least per GET: tar headers are read one 512-byte block at a time
+_COUNTERS = {"gets": 0, "bytes": 0, "retries": 0, "failures": 0}
+_LOCK = threading.Lock()
+
+
+def is_remote(path: str) -> bool:
+    return bool(REMOTE.match(path)) and not path.startswith("file://")
+
+
+def counters() -> dict:
+    """Object-store reads by this process so far."""
+    with _LOCK:
+        return dict(_COUNTERS)
+
+
+def _count(**delta) -> None:
+    with _LOCK:
+        for k, v in delta.items():
+            _COUNTERS[k] += v
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path within it, protocol) for a URL."""
+    from fsspec.core import url_to_fs
+
+    protocol = url.split("://", 1)[0].lower()
+    fs, path = url_to_fs(url)
+    if isinstance(getattr(fs, "retries", None), int):
+        fs.retries = 1  # s3fs retries quietly on its own: the retries are ours, so that they are counted
+    return fs, path, protocol
+
+
+def _fatal(exc: Exception) -> bool:
+    """Errors a retry cannot fix: the object or the permission is not there."""
+    return isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError))
+
+
+def retried(what: str, fn, *args):
+    delay = 0.05
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return fn(*args)
+        except Exception as exc:  # the store's clients raise many types for one dropped connection
+            if _fatal(exc) or attempt == ATTEMPTS:
+                _count(failures=1)
+                if _fatal(exc):
+                    raise
+                raise OSError(f"{what}: {type(exc).__name__}: {exc} (after {ATTEMPTS} attempts)") from exc
+            _count(retries=1)
+            time.sleep(delay)
+            delay *= 4
+
+
+class RemoteArchive:
+    """``read_at(offset, size)`` on an object, by ranged GETs through a read-ahead window."""
+
+    def __init__(self, url: str, window: int = WINDOW):
+        self.url = url
+        self.fs, self.path, _ = filesystem(url)
+        self.size: int | None = retried(f"size of {url}", self.fs.size, self.path)
+        self.window = window
+        self._start, self._buf = 0, b""
+
+    def _get(self, start: int, end: int) -> bytes:
+        data = retried(f"read {self.url} [{start}, {end})",
+                       lambda: self.fs.cat_file(self.path, start=start, end=end))  # s3fs: 2nd positional is a version
+        _count(gets=1, bytes=len(data))
+        return data
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        end = min(offset + size, self.size)
+        if offset >= end:
+            return b""
+        if self._start <= offset and end <= self._start + len(self._buf):
+            return self._buf[offset - self._start:end - self._start]
+        if size >= self.window:  # a large member: exactly its bytes, nothing kept
+            return self._get(offset, end)
+        self._start = offset
+        self._buf = self._get(offset, min(offset + self.window, self.size))
+        return self._buf[:end - offset]
+
+    def close(self) -> None:
+        self._buf = b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def expand(pattern: str) -> tuple[list[str], list[str]]:
+    """(matching object URLs, what matched nothing) for one remote path or glob."""
+    import glob
+
+    fs, path, protocol = filesystem(pattern)
+    if glob.has_magic(path):
+        found = sorted(f"{protocol}://{p}" for p in retried(f"list {pattern}", fs.glob, path)
+                       if not p.endswith("/"))
+        return found, ([] if found else [f"{pattern} (matches no object)"])
+    if retried(f"look up {pattern}", fs.isfile, path):
+        return [pattern], []
+    return [], [f"{pattern} (no such object)"]
