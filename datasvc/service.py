@@ -25,6 +25,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from datasvc.config import ServiceConfig
 from datasvc.plan import Position
 from datasvc.process import ItemProcessor, ItemResult, WorkItem
+from datasvc.balanced import BalancedProducer
 from datasvc.producer import BlockProducer, DataServiceError, EndOfData  # noqa: F401  (the service's errors)
 from datasvc.rejects import Accounting
 from datasvc.stats import QueueStats, StageTimes
@@ -248,7 +249,8 @@ class Feeder:
         self.rank = rank
         self.pool = _Pool(cfg, rank)
         try:
-            self.producer = BlockProducer(cfg, rank, start, self.pool)
+            # balance_dp: this feeder plans every rank's micro-batches and decodes only its share.
+            self.producer = (BalancedProducer if cfg.balance_dp else BlockProducer)(cfg, rank, start, self.pool)
         except BaseException:
             self.pool.shutdown()
             raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -85,14 +86,18 @@ def datasets(work_dir: str, synth_samples: int) -> dict[str, list[str]]:
 class RankStream:
     """One rank's feeder, shape-only: its own seeded draw of samples, packed into full rows."""
 
-    def __init__(self, pool, rank: int, seed: int, seq_len: int, mbs: int):
-        self.pool, self.seq_len, self.mbs = pool, seq_len, mbs
+    def __init__(self, pool, rank: int, seed: int, seq_len: int, mbs: int, packed: bool = True):
+        self.pool, self.seq_len, self.mbs, self.packed = pool, seq_len, mbs, packed
         self.rng = np.random.default_rng([seed, rank])
         self.carry: list[int] = []
         self.rank = rank
 
     def step(self, per_rank: int, step: int) -> list[balance.MicroBatchShape]:
         rows_needed = per_rank * self.mbs
+        if not self.packed:  # the stock loaders' layout: one sample per row, padded to seq_len
+            rows = [[self.pool[int(i)]] for i in self.rng.integers(len(self.pool), size=rows_needed)]
+            return [balance.shape_from_rows(rows[k * self.mbs:(k + 1) * self.mbs], self.seq_len,
+                                            f"{self.rank}/{step}/{k}", self.mbs) for k in range(per_rank)]
         chosen = list(self.carry)
         tokens = sum(self.pool[i][0] for i in chosen)
         while tokens < 1.08 * rows_needed * self.seq_len:
@@ -111,9 +116,9 @@ class RankStream:
 
 
 def simulate(pool, dp: int, gbs: int, mbs: int, models: dict[str, balance.CostModel], steps: int,
-             seq_len: int = 4096, seed: int = 0) -> dict:
+             seq_len: int = 4096, seed: int = 0, packed: bool = True) -> dict:
     per_rank = gbs // (dp * mbs)
-    streams = [RankStream(pool, r, seed, seq_len, mbs) for r in range(dp)]
+    streams = [RankStream(pool, r, seed, seq_len, mbs, packed) for r in range(dp)]
     per_model = {name: {"ratio": [], "ratio_off": [], "step_s": [], "step_s_off": []} for name in models}
     fills, patches, balance_s = [], [], []
     for s in range(steps):
@@ -143,13 +148,13 @@ def simulate(pool, dp: int, gbs: int, mbs: int, models: dict[str, balance.CostMo
 
 # ---- report ----------------------------------------------------------------------------------------
 def _table(results: list[dict]) -> str:
-    head = ("| data | setting | k | model | step s off | step s on | gain | straggler off | on | worst on |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| data | rows | setting | k | model | step s off | step s on | gain | straggler off | on | worst on |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in results:
         for role, m in r["models"].items():
             name = MEASURED + " (fitted)" if role == "proxy" else r["recipe_model"] + " (derived)"
-            lines.append(f"| {r['data']} | {r['setting']} | {r['micro_batches_per_rank']} | {name} | "
+            lines.append(f"| {r['data']} | {r['layout']} | {r['setting']} | {r['micro_batches_per_rank']} | {name} | "
                          f"{m['step_s_off']:.3f} | {m['step_s']:.3f} | {m['gain']:+.1%} | {m['ratio_off']:.3f} | "
                          f"**{m['ratio']:.3f}** | {m['ratio_worst']:.3f} |")
     return "\n".join(lines)
@@ -163,21 +168,26 @@ def plot(results: list[dict], path: str) -> None:
 
     names = ["proxy", "recipe"]
     titles = {"proxy": f"{MEASURED}, fitted on the H200", "recipe": "the recipe's model, derived (FLOPs at fitted rates)"}
-    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.8), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        labels = [f"{r['data']}\n{r['setting'].split(',')[-1].strip()} k={r['micro_batches_per_rank']}" for r in results]
-        x = np.arange(len(results))
-        ax.bar(x - 0.2, [r["models"][name]["ratio_off"] for r in results], 0.4, label="unbalanced")
-        ax.bar(x + 0.2, [r["models"][name]["ratio"] for r in results], 0.4, label="balanced")
-        ax.axhline(1.05, color="k", ls="--", lw=0.8, label="goal 1.05")
-        ax.set_ylim(1.0, max(1.1, 1.02 * max(r["models"][name]["ratio_off"] for r in results)))
-        ax.set_xticks(x, labels, rotation=90, fontsize=6)
-        ax.set_ylabel("straggler ratio (max / mean rank cost)")
-        ax.set_title(titles[name], fontsize=9)
-        ax.legend(fontsize=7)
+    layouts = sorted({r["layout"] for r in results}, reverse=True)
+    fig, axes = plt.subplots(len(layouts), len(names), figsize=(6.5 * len(names), 4.8 * len(layouts)), squeeze=False)
+    for (li, layout), (ni, name) in itertools.product(enumerate(layouts), enumerate(names)):
+        _panel(axes[li][ni], [r for r in results if r["layout"] == layout], name, f"{titles[name]}; {layout} rows")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def _panel(ax, results: list[dict], name: str, title: str) -> None:
+    labels = [f"{r['data']}\n{r['setting'].split(',')[-1].strip()} k={r['micro_batches_per_rank']}" for r in results]
+    x = np.arange(len(results))
+    ax.bar(x - 0.2, [r["models"][name]["ratio_off"] for r in results], 0.4, label="unbalanced")
+    ax.bar(x + 0.2, [r["models"][name]["ratio"] for r in results], 0.4, label="balanced")
+    ax.axhline(1.05, color="k", ls="--", lw=0.8, label="goal 1.05")
+    ax.set_ylim(1.0, max(1.1, 1.02 * max(r["models"][name]["ratio_off"] for r in results)))
+    ax.set_xticks(x, labels, rotation=90, fontsize=6)
+    ax.set_ylabel("straggler ratio (max / mean rank cost)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def run_simulation(args) -> dict:
@@ -188,14 +198,15 @@ def run_simulation(args) -> dict:
     results = []
     for data, paths in shards.items():
         pool = sample_pool(paths, pipeline, args.seq_len)
-        for st in SETTINGS:
+        for layout, st in ((lay, st) for lay in args.layouts for st in SETTINGS):
             models = {"proxy": balance.cost_model(args.pipeline, MEASURED, args.calibration),
                       "recipe": balance.cost_model(args.pipeline, st["recipe_model"], args.calibration)}
             t0 = time.perf_counter()
-            res = simulate(pool, st["dp"], st["gbs"], st["mbs"], models, args.steps, args.seq_len, args.seed)
-            results.append({"data": data, "samples": len(pool), **st, **res,
+            res = simulate(pool, st["dp"], st["gbs"], st["mbs"], models, args.steps, args.seq_len, args.seed,
+                           packed=layout == "packed")
+            results.append({"data": data, "layout": layout, "samples": len(pool), **st, **res,
                             "seconds": round(time.perf_counter() - t0, 2)})
-            print(f"[balance] {data} {st['setting']}: " + ", ".join(
+            print(f"[balance] {data} {layout} {st['setting']}: " + ", ".join(
                 f"{n}: {m['ratio_off']:.3f} -> {m['ratio']:.3f}" for n, m in res["models"].items()), flush=True)
     return {"results": results, "calibration": args.calibration, "max_pixels": args.max_pixels,
             "seq_len": args.seq_len, "steps": args.steps,
@@ -248,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="global steps simulated per setting")
     p.add_argument("--synth-samples", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layouts", nargs="+", choices=("packed", "padded"), default=["packed", "padded"],
+                   help="packed rows (this service) and/or one padded sample per row (the stock loaders)")
     p.add_argument("--fit", action="store_true", help="refit the calibrations from --results-dir")
     p.add_argument("--results-dir", default="docs/results")
     args = p.parse_args(argv)
