@@ -15,6 +15,7 @@ pipeline package provides them (``pipelines/<model>/cost.py``), found through ``
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -289,6 +290,24 @@ def predicted_straggler(shapes: list[MicroBatchShape], dp: int, per_rank: int, m
         return {"straggler_ratio": None, "straggler_ratio_max": None, "step_s": None, "steps": 0}
     return {"straggler_ratio": float(np.mean(ratios)), "straggler_ratio_max": float(np.max(ratios)),
             "step_s": float(np.mean(steps)), "steps": len(ratios)}
+
+
+def profile_straggler(shapes: list[MicroBatchShape], dp: int, per_rank: int, model: CostModel, balance: bool,
+                      steps: int = 16, seed: int = 0) -> dict:
+    """The profiler's prediction for ``dp`` ranks from one rank's measured micro-batches: ``steps``
+    global steps, each ``dp * per_rank`` micro-batches drawn (seeded, with replacement) from
+    ``shapes``, so any DP size can be judged from a short profile. Mean and worst straggler ratio
+    and mean predicted step seconds, with balancing or without."""
+    if not shapes:
+        return {"straggler_ratio": None, "straggler_ratio_max": None, "step_s": None, "steps": 0}
+    rng = np.random.default_rng([seed, dp, per_rank])
+    drawn = []
+    for s in range(steps):
+        picks = rng.integers(len(shapes), size=dp * per_rank)
+        drawn.extend(dataclasses.replace(shapes[int(i)], key=f"{s}/{j}") for j, i in enumerate(picks))
+    out = predicted_straggler(drawn, dp, per_rank, model, balance)
+    return {**out, "dp": dp, "micro_batches_per_rank": per_rank, "balance": balance,
+            "measured_micro_batches": len(shapes), "cost_model": model.source}
 
 
 def cost_model(pipeline: str, preset: str | None = None, calibration: str | None = None) -> CostModel:

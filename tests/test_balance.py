@@ -390,3 +390,14 @@ def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_
         assert first + drain(c2) == expected[1]
     finally:
         svc.shutdown()
+
+
+def test_profile_prediction_for_many_ranks_from_one_ranks_micro_batches(mixed):
+    model = balance.cost_model("qwen3vl")
+    shapes = [s for s, _ in balance.pack_shapes(mixed, 2048, 1)]
+    on = balance.profile_straggler(shapes, 64, 4, model, True)
+    off = balance.profile_straggler(shapes, 64, 4, model, False)
+    assert on["steps"] == off["steps"] == 16 and on["dp"] == 64 and on["micro_batches_per_rank"] == 4
+    assert on["straggler_ratio"] < off["straggler_ratio"] and on["straggler_ratio"] <= 1.05
+    assert on == balance.profile_straggler(shapes, 64, 4, model, True)  # seeded: the same every time
+    assert balance.profile_straggler([], 8, 2, model, True)["straggler_ratio"] is None

@@ -168,7 +168,7 @@ def plot(results: list[dict], path: str) -> None:
 
     names = ["proxy", "recipe"]
     titles = {"proxy": f"{MEASURED}, fitted on the H200", "recipe": "the recipe's model, derived (FLOPs at fitted rates)"}
-    layouts = sorted({r["layout"] for r in results}, reverse=True)
+    layouts = [lay for lay in ("packed", "padded") if any(r["layout"] == lay for r in results)]
     fig, axes = plt.subplots(len(layouts), len(names), figsize=(6.5 * len(names), 4.8 * len(layouts)), squeeze=False)
     for (li, layout), (ni, name) in itertools.product(enumerate(layouts), enumerate(names)):
         _panel(axes[li][ni], [r for r in results if r["layout"] == layout], name, f"{titles[name]}; {layout} rows")
