@@ -40,7 +40,7 @@ def parse_blend(spec: str) -> list[BlendSource]:
     if spec.endswith((".yaml", ".yml")):
         return _from_yaml(spec)
     sources = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    for part in filter(None, (p.strip() for p in _top_level_parts(spec))):
         where, colon, weight = part.rpartition(":")
         if not colon or not where:
             raise ValueError(f"blend part {part!r} is not PATTERN:WEIGHT (e.g. data/laion/*.tar:0.7)")
@@ -49,6 +49,17 @@ def parse_blend(spec: str) -> list[BlendSource]:
             name, pattern = where, where
         sources.append(BlendSource(name, (pattern,), _weight(weight, part)))
     return checked(sources)
+
+
+def _top_level_parts(spec: str) -> list[str]:
+    """Split on commas outside braces, so ``a/{0,1}.tar:1`` stays one part."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(spec[start:i])
+            start = i + 1
+    return parts + [spec[start:]]
 
 
 def _weight(text, where: str) -> float:
@@ -190,3 +201,29 @@ class BlendedItems:
         """Items per source this rank gets in the epoch."""
         return per_source(rank_order(self.sizes, self.weights, self.seed, epoch, rank, self.dp_size,
                                      self.per_epoch), self.names)
+
+
+def blended_items(spec: str, items: list, seed: int, dp_size: int) -> BlendedItems:
+    """The blend ``spec`` (``parse_blend``) over an epoch plan's work items, each item given to the
+    source whose shard patterns list its shard (the first such source)."""
+    from datasvc.shards import expand_shards
+
+    sources = parse_blend(spec)
+    owner: dict[str, int] = {}
+    for s, source in enumerate(sources):
+        for path in expand_shards(list(source.shards)):
+            owner.setdefault(path, s)
+    grouped: list[list] = [[] for _ in sources]
+    for item in items:
+        if item.shard not in owner:
+            raise ValueError(f"shard {item.shard} is in no blend source: list it under one, or leave it out")
+        grouped[owner[item.shard]].append(item)
+    empty = [src.name for src, g in zip(sources, grouped) if src.weight > 0 and not g]
+    if empty:
+        raise ValueError(f"blend sources {empty} have weight but no samples")
+    return BlendedItems([(src.name, src.weight, g) for src, g in zip(sources, grouped)], seed, dp_size)
+
+
+def blend_patterns(spec: str) -> tuple[str, ...]:
+    """Every shard pattern a blend names (what ``ServiceConfig.shards`` holds for it)."""
+    return tuple(dict.fromkeys(p for source in parse_blend(spec) for p in source.shards))

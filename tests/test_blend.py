@@ -1,5 +1,7 @@
 """Blends: exact proportions at every prefix, deterministic and resumable orders, repeats and
 subsampling per source, disjoint ranks, and the two ways to write a blend."""
+import os
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,63 @@ def test_blended_work_items_name_their_source():
     assert blend.shares(0, 0) == {"laion": sum(i.shard.startswith("laion") for i in got[0]), "vqa": 8 - sum(
         i.shard.startswith("laion") for i in got[0])}
     assert got == [BlendedItems([("laion", 0.75, laion), ("vqa", 0.25, vqa)], 1, 2, 16).items(0, r) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory):
+    from datasvc.samples import write_photo_shards
+
+    root = tmp_path_factory.mktemp("blend")
+    a = write_photo_shards(str(root / "photos"), samples_per_shard=4, copies=1, conversations=False)
+    b = write_photo_shards(str(root / "pairs"), samples_per_shard=3, copies=1)[-2:]  # the two-image ones
+    return f"photos={root}/photos/*.tar:0.75,pairs={root}/pairs/{{{os.path.basename(b[0])[:-4]},"\
+           f"{os.path.basename(b[1])[:-4]}}}.tar:0.25", root
+
+
+def blend_config(spec, **kw):
+    from datasvc.config import ServiceConfig
+
+    return ServiceConfig(shards=(), blend=spec, seq_len=2048, micro_batch_size=2, samples_per_item=2,
+                         items_per_block=4, epochs=2, pipeline_options={"max_pixels": 128 * 128,
+                                                                        "min_pixels": 32 * 32}, **kw)
+
+
+def test_the_epoch_plan_draws_by_the_weights(two_sources):
+    from datasvc.plan import EpochPlan
+
+    spec, root = two_sources
+    cfg = blend_config(spec, dp_size=2)
+    assert len(cfg.shards) == 2  # shards default to the blend's patterns
+    plan = EpochPlan(cfg)
+    n = len(plan._items)
+    for epoch in range(2):
+        got = [plan.items(epoch, r) for r in range(2)]
+        assert sum(len(g) for g in got) == n and [len(g) for g in got] == [plan.items_per_epoch(r) for r in range(2)]
+        pairs = sum("/pairs/" in i.shard for g in got for i in g)
+        assert pairs == quotas([0.75, 0.25], n)[1]
+    assert cfg.fingerprint() != blend_config(spec.replace("0.25", "0.5"), dp_size=2).fingerprint()
+
+
+def test_a_blended_stream_resumes_exactly_and_counts_by_source(two_sources):
+    from collections import Counter
+
+    from datasvc.producer import BlockProducer
+
+    spec, root = two_sources
+    cfg = blend_config(spec)
+    whole = [(b.sample_keys, p) for b, p in BlockProducer(cfg).micro_batches()]
+    per_source = Counter("pairs" if "/pairs/" in k else "photos" for keys, _ in whole for k in keys)
+    assert per_source["pairs"] and per_source["photos"] > per_source["pairs"]
+    cut = len(whole) // 2
+    producer = BlockProducer(cfg)
+    it = producer.micro_batches()
+    for _ in range(cut):
+        next(it)
+    saved = producer.position()
+    producer.stop()
+    rest = [b.sample_keys for b, _ in BlockProducer(cfg, start=saved).micro_batches()]
+    assert rest == [keys for keys, _ in whole[cut:]]
+
+
+def test_brace_alternatives_stay_inside_their_part():
+    assert [s.shards for s in parse_blend("a/{0,1}.tar:1,b/{2..3}.tar:1")] == [("a/{0,1}.tar",), ("b/{2..3}.tar",)]
