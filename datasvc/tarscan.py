@@ -1,10 +1,11 @@
 """Tar archives as shards come: plain or gzip-compressed, read by offset, headers scanned past damage.
 
-``open_archive(path)`` gives random access to an archive's bytes: the file itself, or for a gzip
-shard (``.tar.gz``, ``.tgz``, recognized by its magic bytes) the decompressed stream, reached through
-access points that the process records as it inflates. ``Scan(archive)`` walks the headers and yields
-an ``Entry`` per member and a ``Gap`` for bytes lost to a corrupt header, then says how the archive
-ended (``Scan.ending``: empty when it ended in its end-of-archive blocks).
+``open_archive(path)`` gives random access to an archive's bytes: the file (or object-store object,
+``datasvc.storage``) itself, or for a gzip shard (``.tar.gz``, ``.tgz``, recognized by its magic bytes)
+the decompressed stream, reached through access points that the process records as it inflates.
+``Scan(archive)`` walks the headers and yields an ``Entry`` per member and a ``Gap`` for bytes lost
+to a corrupt header, then says how the archive ended (``Scan.ending``: empty when it ended in its
+end-of-archive blocks).
 
 Why not ``tarfile``'s reader: it stops quietly at the first bad header, so every later member is lost
 uncounted, and it reads a .tar.gz only front to back. Headers are still parsed by
@@ -57,7 +58,9 @@ def padded(size: int) -> int:
 class PlainArchive:
     def __init__(self, path: str):
         self._f = open(path, "rb")
-        self.size: int | None = os.fstat(self._f.fileno()).st_size
+        st = os.fstat(self._f.fileno())
+        self.size: int | None = st.st_size
+        self.identity = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
     def read_at(self, offset: int, size: int) -> bytes:
         self._f.seek(offset)
@@ -97,10 +100,10 @@ class GzipArchive:
 
     size = None  # unknown without inflating it all
 
-    def __init__(self, path: str):
-        self._f = open(path, "rb")
-        st = os.fstat(self._f.fileno())
-        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    def __init__(self, compressed, identity: tuple):
+        """``compressed``: the gzip file's bytes by ``read_at`` (a local or object-store archive)."""
+        self._raw = compressed
+        key = identity
         with _POINTS_LOCK:
             if key not in _POINTS:
                 _POINTS[key] = [_Point(0, 0, zlib.decompressobj(31), b"")]
@@ -161,8 +164,7 @@ class GzipArchive:
         return True
 
     def _read_in(self) -> bytes:
-        self._f.seek(self._in_pos)
-        data = self._f.read(_IN_CHUNK)
+        data = self._raw.read_at(self._in_pos, _IN_CHUNK)
         self._in_pos += len(data)
         return data
 
@@ -174,7 +176,7 @@ class GzipArchive:
                 self._points.append(_Point(self._pos, self._in_pos, self._z.copy(), self._tail))
 
     def close(self) -> None:
-        self._f.close()
+        self._raw.close()
 
     def __enter__(self):
         return self
@@ -183,18 +185,19 @@ class GzipArchive:
         self.close()
 
 
-def open_archive(path: str) -> PlainArchive | GzipArchive:
+def open_archive(path: str):
+    """The archive's bytes by ``read_at``: local or on object storage (``datasvc.storage``: ranged
+    GETs), plain or gzip (inflated from this process's access points)."""
     from datasvc.storage import RemoteArchive, is_remote
 
-    if is_remote(path):  # object storage: ranged GETs, uncompressed shards only
-        remote = RemoteArchive(path)
-        if remote.read_at(0, 2) == GZIP_MAGIC:
-            remote.close()
-            raise OSError(f"{path} is gzip-compressed: shards on object storage are read by offset, store them as .tar")
-        return remote
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    return GzipArchive(path) if magic == GZIP_MAGIC else PlainArchive(path)
+    raw = RemoteArchive(path) if is_remote(path) else PlainArchive(path)
+    try:
+        if raw.read_at(0, 2) != GZIP_MAGIC:
+            return raw
+        return GzipArchive(raw, getattr(raw, "identity", (path, raw.size)))
+    except BaseException:
+        raw.close()
+        raise
 
 
 def _header(block: bytes) -> tarfile.TarInfo | None:

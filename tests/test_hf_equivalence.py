@@ -253,3 +253,16 @@ def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
     ref_pv, ref_grid = reference_loaded(data, spec)
     assert tuple(grid) == tuple(ref_grid)
     assert float(np.abs(pv - ref_pv).mean()) < MAX_MAD
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_cut_jpeg_rejected_on_the_gpu_decoder():
+    """nvJPEG fills a cut JPEG with gray; the header probe rejects it before either decoder sees it."""
+    from datasvc.decode import GpuDecoder
+
+    whole = oriented("JPEG", 1)
+    out = preprocess_images([whole[:5000], whole], VisionSpec(max_pixels=512 * 512),
+                            GpuDecoder(device_id=0, num_threads=2, max_batch=8))
+    assert isinstance(out[0], ImageRejected) and out[0].reason == "truncated_image"
+    assert not isinstance(out[1], ImageRejected)

@@ -164,6 +164,27 @@ def test_gzip_shard_larger_than_its_access_point_spacing(tmp_path):
         assert raw.text == str(first) and not raw.problem
 
 
+def test_cut_gzip_shard_counts_its_last_sample(tmp_path, photo, qwen3vl, cpu_decoder):
+    members = [m for i in range(10) for m in good(f"s{i}", photo)]
+    data = gzip.compress(open(write_tar(tmp_path / "p.tar", members), "rb").read())
+    path = str(tmp_path / "cut.tar.gz")
+    open(path, "wb").write(data[: int(len(data) * 0.6)])
+    idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
+    assert idx.truncated and list(reasons.values()) == ["truncated_tar"]
+    assert 3 <= len(delivered) < 10 and res.accounting.read == len(delivered) + 1
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_long_member_names(tmp_path, photo, qwen3vl, cpu_decoder, fmt):
+    key = "crawl/" + "x" * 150 + "/0001"
+    path = str(tmp_path / "long.tar")
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in good(key, photo) + good("short", photo):
+            add(tar, name, data)
+    idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
+    assert delivered == sorted([key, "short"]) and not reasons
+
+
 def _header_offset(path: str, name: str) -> int:
     with tarfile.open(path) as tar:
         return tar.getmember(name).offset
