@@ -7,6 +7,9 @@ names the sources by their patterns), or a YAML file::
       - {name: laion, shards: "data/laion/{000..099}.tar", weight: 0.7}
       - {name: vqa, shards: [data/vqa/a.tar, data/vqa/b.tar], weight: 0.3}
 
+or an Energon metadataset (``splits: train: blend: [{path: ./coco, weight: 1}, ...]``, each path a
+prepared dataset, read as ``datasvc.energon`` reads one).
+
 An epoch of the blend holds ``per_epoch`` work items (default: every source's item count added up),
 ``round(weight x per_epoch)`` from each source (largest remainders, so they add up exactly). A
 source reads its items from its own stream: its items shuffled, then shuffled again once used up,
@@ -36,7 +39,8 @@ class BlendSource:
 
 
 def parse_blend(spec: str) -> list[BlendSource]:
-    """``NAME=PATTERN:WEIGHT,...`` / ``PATTERN:WEIGHT,...``, or a ``.yaml``/``.yml`` file of sources."""
+    """``NAME=PATTERN:WEIGHT,...`` / ``PATTERN:WEIGHT,...``, or a ``.yaml``/``.yml`` file: ``sources:``
+    as above, or an Energon metadataset (``splits: train: blend: [{path, weight}]``)."""
     if spec.endswith((".yaml", ".yml")):
         return _from_yaml(spec)
     sources = []
@@ -79,6 +83,8 @@ def _from_yaml(path: str) -> list[BlendSource]:
         raise ValueError(f"blend file {path!r} does not exist")
     with open(path) as f:
         doc = yaml.safe_load(f)
+    if isinstance(doc, dict) and "splits" in doc:
+        return checked(_from_energon_metadataset(doc, path))
     entries = doc.get("sources") if isinstance(doc, dict) else doc
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a list of sources, or 'sources:' holding one")
@@ -89,6 +95,29 @@ def _from_yaml(path: str) -> list[BlendSource]:
         shards = (e["shards"],) if isinstance(e["shards"], str) else tuple(str(s) for s in e["shards"])
         sources.append(BlendSource(str(e.get("name", shards[0])), shards, _weight(e.get("weight", 1.0), f"{path}#{i}")))
     return checked(sources)
+
+
+def _from_energon_metadataset(doc: dict, path: str, split: str = "train") -> list[BlendSource]:
+    """An Energon ``MetadatasetV2`` file: its split's ``blend`` of prepared datasets (``path``
+    relative to the file, ``weight``, ``split_part``), or its single ``path``."""
+    part = (doc.get("splits") or {}).get(split)
+    if not isinstance(part, dict):
+        raise ValueError(f"{path}: no '{split}' split under 'splits'")
+    entries = part.get("blend", [part] if "path" in part else None)
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: split '{split}' needs 'blend' (a list of datasets) or 'path'")
+    base = os.path.dirname(os.path.abspath(path))
+    sources = []
+    for i, e in enumerate(entries):
+        where = f"{path}: {split} blend entry {i}"
+        if not isinstance(e, dict) or not isinstance(e.get("path"), str):
+            raise ValueError(f"{where} needs a 'path' (a prepared dataset directory)")
+        if e["path"].endswith((".yaml", ".yml")) or "blend" in e:
+            raise ValueError(f"{where}: nested metadatasets are not read; list their datasets here")
+        root = os.path.normpath(os.path.join(base, e["path"]))
+        sources.append(BlendSource(os.path.basename(root), (f"{root}:{e.get('split_part') or split}",),
+                                   _weight(e.get("weight", 1.0), where)))
+    return sources
 
 
 def checked(sources: list[BlendSource]) -> list[BlendSource]:

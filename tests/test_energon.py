@@ -140,3 +140,21 @@ def test_unreadable_sample_types_fail_fast(captioning, tmp_path):
         "sample_type:\n  __module__: megatron.energon\n  __class__: SimilarityInterleavedSample\nfield_map: {}\n")
     with pytest.raises(ValueError, match="SimilarityInterleavedSample"):
         expand_shards([str(copy)])
+
+
+def test_an_energon_metadataset_is_a_blend(captioning, vqa, tmp_path):
+    from datasvc.blend import parse_blend
+    from datasvc.config import ServiceConfig
+    from datasvc.plan import EpochPlan
+
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                   f"      - weight: 3\n        path: {os.path.relpath(captioning, tmp_path)}\n"
+                   f"      - weight: 1\n        path: {vqa}\n        split_part: val\n")
+    sources = parse_blend(str(mix))
+    assert [(s.name, s.weight) for s in sources] == [("captions", 3.0), ("vqa", 1.0)]
+    assert sources[0].shards == (f"{captioning}:train",) and sources[1].shards == (f"{vqa}:val",)
+    plan = EpochPlan(ServiceConfig(shards=(), blend=str(mix), samples_per_item=1))
+    order = plan.items(0, 0)
+    assert {plan.blend.source_of(i) for i in order} == {"captions", "vqa"}
+    assert sum(plan.blend.source_of(i) == "vqa" for i in order) == round(len(order) / 4)

@@ -116,6 +116,16 @@ def _image_bytes(value, base_dir: str) -> list[bytes]:
     raise Skip("image_without_bytes")
 
 
+def _without_nulls(value):
+    """Arrow gives every struct in a column every field, null where a row had none (an image part
+    gets ``"text": None``): leave those out, as the row was written."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
 @dataclass(slots=True)
 class ParquetSource:
     files: list[str]
@@ -161,7 +171,8 @@ class ParquetSource:
         out = Converted([b for c in image_columns for b in _image_bytes(row.get(c), base_dir)])
         caption = row.get(text_column) if text_column else None
         out.text = caption if isinstance(caption, str) else None
-        doc = {k: v for k, v in row.items() if k not in image_columns and k != text_column and v is not None}
+        doc = {k: _without_nulls(v) for k, v in row.items()
+               if k not in image_columns and k != text_column and v is not None}
         out.doc = doc or None
         if out.text is None and not any(c in doc for c in CONVERSATION_COLUMNS):
             raise Skip("no_text_or_messages")
