@@ -16,6 +16,7 @@ pipeline package provides them (``pipelines/<model>/cost.py``), found through ``
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -144,12 +145,12 @@ def lpt(costs: np.ndarray, dp: int, per_rank: int, keys: list[str] | None = None
     costs = np.asarray(costs, dtype=np.float64)
     _check(len(costs), dp, per_rank)
     ranks: list[list[int]] = [[] for _ in range(dp)]
-    load = np.zeros(dp)
+    heap = [(0.0, r) for r in range(dp)]  # (load, rank) of ranks with room; tuples order ties by rank
     for i in _order(costs, keys):
-        open_ranks = np.flatnonzero([len(r) < per_rank for r in ranks])
-        r = int(open_ranks[np.argmin(load[open_ranks])])  # argmin takes the first minimum: lowest index
+        load, r = heapq.heappop(heap)
         ranks[r].append(i)
-        load[r] += costs[i]
+        if len(ranks[r]) < per_rank:
+            heapq.heappush(heap, (load + float(costs[i]), r))
     return ranks
 
 
@@ -168,18 +169,22 @@ def _best_swap(costs: np.ndarray, owner: np.ndarray, load: np.ndarray, top: int,
     return int(mine[a]), int(j)
 
 
-def refine(costs: np.ndarray, ranks: list[list[int]], max_rounds: int | None = None) -> list[list[int]]:
+def refine(costs: np.ndarray, ranks: list[list[int]], max_rounds: int | None = None,
+           tolerance: float = 1e-3) -> list[list[int]]:
     """Swap micro-batches off the costliest rank while a single swap lowers it (each swap takes the
-    pair that ends lowest). Counts per rank never change; each swap lowers the sum of squared loads,
-    so it ends."""
+    pair that ends lowest), until the costliest rank is within ``tolerance`` of the mean. Counts
+    per rank never change; each swap lowers the sum of squared loads, so it ends."""
     costs = np.asarray(costs, dtype=np.float64)
     ranks = [list(r) for r in ranks]
     owner = np.empty(len(costs), dtype=np.int64)
     for r, items in enumerate(ranks):
         owner[items] = r
     load = np.asarray([costs[r].sum() for r in ranks])
+    goal = float(load.mean()) * (1 + tolerance)
     for _ in range(max_rounds if max_rounds is not None else 50 * len(ranks) + 100):
         top = int(np.argmax(load))
+        if load[top] <= goal:
+            break
         found = _best_swap(costs, owner, load, top, np.asarray(ranks[top]))
         if found is None:
             break
