@@ -18,10 +18,15 @@ here and are rejected with their own reason when decoded.
 """
 from __future__ import annotations
 
+import io
 import operator
 import re
+import warnings
 from dataclasses import dataclass
 
+from PIL import Image
+
+from datasvc.formats import caption_chars
 from datasvc.rejects import RULE_PREFIX
 
 _OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
@@ -88,17 +93,24 @@ def _lookup(metadata: dict, dotted: str):
     return value
 
 
-def _image_measures(images, max_pixels: int) -> dict | None:
-    from datasvc.decode import probe
-    from datasvc.vision import ImageRejected
+def _image_sides(data: bytes) -> tuple[int, int] | None:
+    """(short side, long side) from the image header alone (PIL opens lazily: no pixel is read)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w, h = Image.open(io.BytesIO(data)).size
+    except Exception:  # not readable here: the decode stage names the reason
+        return None
+    return (min(w, h), max(w, h)) if w > 0 and h > 0 else None
 
+
+def _image_measures(images) -> dict | None:
     sides = []
     for _ext, data in images:
-        try:
-            header = probe(data, max_pixels)
-        except ImageRejected:
+        s = _image_sides(data)
+        if s is None:
             return None
-        sides.append((min(header.width, header.height), max(header.width, header.height)))
+        sides.append(s)
     if not sides:
         return None
     return {"image_min_side": float(min(s for s, _ in sides)), "image_max_side": float(max(l for _, l in sides)),
@@ -110,7 +122,6 @@ class SampleRules:
     """The user's filters, checked in order; the first that fails names the skip."""
 
     rules: tuple[Rule, ...] = ()
-    max_pixels: int = 1 << 62  # header cap while measuring; the decode stage applies the real one
 
     @classmethod
     def parse(cls, specs) -> "SampleRules":
@@ -121,13 +132,11 @@ class SampleRules:
 
     def check(self, raw) -> str | None:
         """The counted reason (``RULE_PREFIX`` + the rule) when ``raw`` fails a rule, else None."""
-        from datasvc.formats import caption_chars
-
         measures: dict = {}
         for rule in self.rules:
             if rule.field in IMAGE_FIELDS:
                 if "image_min_side" not in measures:
-                    measures.update(_image_measures(raw.images, self.max_pixels) or dict.fromkeys(IMAGE_FIELDS))
+                    measures.update(_image_measures(raw.images) or dict.fromkeys(IMAGE_FIELDS))
                 actual = measures[rule.field]
                 if actual is None:
                     continue  # no images, or none readable here: not this rule's to judge
