@@ -242,3 +242,20 @@ def test_command_line_flags_become_rules():
     assert filters_from_flags(parser.parse_args([])) == ()
     with pytest.raises(ValueError, match="filter"):
         filters_from_flags(parser.parse_args(["--filter", "similarity"]))
+
+
+@pytest.mark.parametrize("txt, doc, caption, conversation", [
+    ("from txt", {"caption": "from json"}, "from txt", False),
+    ("  ", {"caption": "from json"}, "from json", False),  # a blank .txt falls back to the metadata
+    (None, {"text": "from text key", "similarity": 0.3}, "from text key", False),
+    (None, {"url": "u"}, None, False),  # metadata without a caption: missing_text, counted
+    (None, {"messages": [], "similarity": 0.3}, None, True),
+])
+def test_where_the_caption_comes_from(txt, doc, caption, conversation):
+    from datasvc.formats import attach_json
+
+    raw = RawSample("plain.tar", "k", [], txt, None)
+    attach_json(raw, doc)
+    assert raw.text == (caption if caption is not None else txt)
+    assert (raw.conversation is not None) == conversation
+    assert raw.metadata == ({"similarity": 0.3} if conversation else doc)
