@@ -71,13 +71,17 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
 
     if ray.is_initialized():  # one cluster at a time on a 2-core CI box
         ray.shutdown()
-    port, dash = _free_port(), _free_port()
+    # Every port of this cluster picked free: the dashboard agent's default listen port (52365) is
+    # taken whenever another Ray cluster runs on the machine, and the job server then never finds
+    # an agent to submit to.
+    port, dash, agent = _free_port(), _free_port(), _free_port()
     ray_bin = os.path.join(venv_bin, "ray")
     temp = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # AF_UNIX socket paths must stay short
     # --block in its own session: the test stops exactly this cluster (not `ray stop`, which would
     # kill every Ray cluster on the machine).
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+                             f"--dashboard-agent-listen-port={agent}",
                              "--num-cpus=6", f"--temp-dir={temp}"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = tmp_path / "run"
