@@ -20,6 +20,7 @@ the start from headers (no decode), which costs header reads of every rank's dat
 from __future__ import annotations
 
 import threading
+from collections import deque
 from itertools import islice
 from typing import Iterator
 
@@ -106,24 +107,45 @@ class BalancedProducer:
         self._next, self._stop, self._lock = self.start, False, threading.Lock()
 
     # ---- the stream ------------------------------------------------------------------------------
+    LOOKAHEAD_STEPS = 2  # steps whose samples are in flight at once: keeps the pool busy across steps
+
     def micro_batches(self) -> Iterator[tuple[PackedBatch, Position]]:
         first_step = self.start.step // self.k
-        for s, (planned, out) in enumerate(self._steps()):
-            if s < first_step:
-                continue
-            mine = [planned[i] for i in out.ranks[self.rank]]
-            made = self._make([b for b, _ in mine])
-            if made is None:  # stopped
+        steps = ((s, planned, out) for s, (planned, out) in enumerate(self._steps()) if s >= first_step)
+        window: deque = deque()  # (step, this rank's planned micro-batches, their work items, deal)
+        results: dict = {}
+        submitted: set = set()
+        exhausted = False
+        while not self._stop:
+            while not exhausted and len(window) < self.LOOKAHEAD_STEPS:
+                nxt = next(steps, None)
+                if nxt is None:
+                    exhausted = True
+                else:
+                    s, planned, out = nxt
+                    mine = [planned[i] for i in out.ranks[self.rank]]
+                    window.append((s, mine, self._items([b for b, _ in mine]), out))
+            if not window:
                 return
+            for s, _, items, _ in window:
+                for i, item in enumerate(items):
+                    if (s, i) not in submitted and self.runner.has_room() and self.runner.submit((s, i), item):
+                        submitted.add((s, i))
+            results.update(self.runner.collect(timeout=0.2))
+            s, mine, items, out = window[0]
+            if any((s, i) not in results for i in range(len(items))):
+                continue
+            window.popleft()
+            made = self._merge([b for b, _ in mine], [results.pop((s, i)) for i in range(len(items))])
+            submitted.difference_update((s, i) for i in range(len(items)))
             with self._lock:
                 self.ratios.append((out.straggler_ratio_unbalanced, out.straggler_ratio))
             for j, (batch, (_, src)) in enumerate(zip(made, mine)):
                 m = s * self.k + j
-                if m < self.start.step:
-                    continue
-                pos = Position(src.epoch, src.block, src.batch, m)
-                self._hand_out(batch, pos)
-                yield batch, pos
+                if m >= self.start.step:
+                    pos = Position(src.epoch, src.block, src.batch, m)
+                    self._hand_out(batch, pos)
+                    yield batch, pos
 
     def position(self) -> Position:
         return self._next
@@ -167,18 +189,18 @@ class BalancedProducer:
             yield planned, balance.balance_step(shapes, self.cfg.dp_size, self.model)
 
     # ---- make this rank's micro-batches --------------------------------------------------------------
-    def _make(self, planned: list[PackedBatch]) -> list[PackedBatch] | None:
-        """Decode the planned micro-batches' samples and merge them into the planned rows."""
+    def _items(self, planned: list[PackedBatch]) -> list[WorkItem]:
+        """The planned micro-batches' samples as work items, one a shard (any actor can process any)."""
         by_shard: dict[str, list] = {}
         for batch in planned:
             for key in batch.sample_keys:
                 path, at, index = self.where[key]
                 by_shard.setdefault(path, []).append((at, index))
-        items = [WorkItem(path, min(at for at, _ in got), tuple(s for _, s in sorted(got, key=lambda x: x[0])))
-                 for path, got in sorted(by_shard.items())]
-        results = self._run(items)
-        if results is None:
-            return None
+        return [WorkItem(path, min(at for at, _ in got), tuple(s for _, s in sorted(got, key=lambda x: x[0])))
+                for path, got in sorted(by_shard.items())]
+
+    def _merge(self, planned: list[PackedBatch], results: list[ItemResult]) -> list[PackedBatch]:
+        """The decoded samples merged into the planned rows (a sample rejected here leaves a gap)."""
         encoded: dict[str, EncodedSample] = {}
         with self._lock:
             for r in results:
@@ -195,16 +217,6 @@ class BalancedProducer:
                     rows[row].append(encoded[key])
             out.append(merge(rows, self.packing, self.spec.patch_dim))
         return out
-
-    def _run(self, items: list[WorkItem]) -> list[ItemResult] | None:
-        pending, done = list(enumerate(items)), {}
-        while len(done) < len(items):
-            if self._stop:
-                return None
-            while pending and self.runner.has_room() and self.runner.submit(pending[0][0], pending[0][1]):
-                pending.pop(0)
-            done.update(self.runner.collect(timeout=0.2))
-        return [done[i] for i in range(len(items))]
 
     def _hand_out(self, batch: PackedBatch, pos: Position) -> None:
         with self._lock:
