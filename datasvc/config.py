@@ -69,9 +69,9 @@ class ServiceConfig:
     rewritten): the stream is re-planned over the files as they are now, and a warning says so.
     Without it such a restore fails, naming what changed."""
     fault_injection: dict = field(default_factory=dict)
-    """For tests of fault handling only, never in a real run: ``{"kill_on_key": "shard/key"}``
-    SIGKILLs the preprocessing actor that reaches that sample, ``{"raise_on_key": ...}`` fails its
-    whole work item, ``{"address_space_bytes": n}`` caps each actor's address space (RLIMIT_AS)."""
+    """For tests of fault handling only, never in a real run: real failures in the preprocessing
+    actors, keyed as ``datasvc.recovery.FaultInjection`` lists them (``kill_on_key``,
+    ``raise_on_key``, ``address_space_headroom_bytes``, ``rss_headroom_bytes``)."""
     filters: tuple[str, ...] = ()
     """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
     the others are counted as skipped_by_rule under the rule (grammar: datasvc.filters)."""
@@ -122,7 +122,8 @@ class ServiceConfig:
             problems.append(f"max_rejection_rate must be in (0, 1] or None, not {self.max_rejection_rate}")
         if self.decoded_bytes_budget < 1 << 20:
             problems.append(f"decoded_bytes_budget must be >= 1 MiB, not {self.decoded_bytes_budget}")
-        unknown = set(self.fault_injection) - {"kill_on_key", "raise_on_key", "address_space_bytes"}
+        unknown = set(self.fault_injection) - {"kill_on_key", "raise_on_key", "address_space_headroom_bytes",
+                                               "rss_headroom_bytes"}
         if unknown:
             problems.append(f"unknown fault_injection keys {sorted(unknown)}")
         if self.micro_batches_per_step < 1 or (self.balance_dp and self.micro_batches_per_step < 2):

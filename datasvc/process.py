@@ -46,9 +46,21 @@ class ItemResult:
     megapixels: float = 0.0
 
 
-def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
-                 limits: ReadLimits = ReadLimits(), rules: SampleRules | None = None) -> ItemResult:
-    """``rules``: the user's filters, checked before any pixel is decoded."""
+DECODE_BYTES_PER_PIXEL = 10
+"""Peak bytes held per source pixel while an image decodes and resizes (the decoded RGB, the
+decoder's copy out, the resize): 9.0 measured on a 16 MP PNG with the CPU decoder."""
+
+
+def decoded_bytes(jobs: list[DecodeJob]) -> int:
+    """What decoding these images at once holds at its peak, from their headers alone."""
+    return sum(j.header.pixels for j in jobs) * DECODE_BYTES_PER_PIXEL
+
+
+def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: ReadLimits = ReadLimits(),
+                 rules: SampleRules | None = None, budget: int | None = None) -> ItemResult:
+    """``rules``: the user's filters, checked before any pixel is decoded. ``budget``: decoded bytes
+    held at once (``ServiceConfig.decoded_bytes_budget``); the item decodes in parts that fit it, and
+    a sample that alone does not is rejected ``sample_too_large``."""
     acct = Accounting()
     times = StageTimes()
     spec = pipeline.vision
@@ -58,41 +70,37 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
     raws = list(read_samples(item.shard, list(item.samples), limits, ignored))
     times.add("read", time.perf_counter() - t0, len(raws))
     acct.read += len(raws)
-    acct.ignored_members.update(ignored)
+    acct.count_read(ignored)
 
-    alive = [not raw.problem for raw in raws]
-    problems = [(raw.problem, raw.detail) for raw in raws]
-    blobs, owners = [], []
+    # problems[si]: (reason, detail, stage) of a sample that will not be delivered
+    problems: list[tuple | None] = [(raw.problem, raw.detail, "read") if raw.problem else None for raw in raws]
     for si, raw in enumerate(raws):
-        if alive[si] and raw.text is None and raw.conversation is None:
-            alive[si], problems[si] = False, ("missing_text", "no txt or json member")
-        elif alive[si] and rules and (broken := rules.check(raw)):
-            alive[si], problems[si] = False, (broken, "")
-        elif alive[si]:
-            blobs.extend(data for _ext, data in raw.images)
-            owners.extend([si] * len(raw.images))
-    per_sample: dict[int, list] = defaultdict(list)
-    for owner, res in zip(owners, preprocess_images(blobs, spec, decoder, times)):
-        if not alive[owner]:
-            continue
-        if isinstance(res, ImageRejected):
-            alive[owner], problems[owner] = False, (res.reason, res.detail)
-        else:
-            per_sample[owner].append(res)
+        if problems[si] is None and raw.text is None and raw.conversation is None:
+            problems[si] = ("missing_text", "no txt or json member", "read")
+        elif problems[si] is None and rules and (broken := rules.check(raw)):
+            problems[si] = (broken, "", "read")
+    jobs = _probe_samples(raws, problems, spec, times)
+    decoded: dict[int, list] = defaultdict(list)
+    for part in _budget_parts(jobs, problems, budget):
+        _decode_part(part, jobs, problems, decoded, spec, decoder, times)
 
     t0 = time.perf_counter()
     encoded: list[EncodedSample] = []
     n_images, mp = 0, 0.0
     for si, raw in enumerate(raws):
-        if not alive[si]:
-            acct.reject(raw.shard, raw.key, *problems[si])
-            continue
-        parts = per_sample.get(si, [])
-        grids = [g for _, g in parts]
-        try:
-            input_ids, labels = pipeline.encode(raw, grids)
-        except SampleRejected as exc:
-            acct.reject(raw.shard, raw.key, exc.reason, exc.detail)
+        parts = decoded.get(si, [])
+        if problems[si] is None:
+            grids = [g for _, g in parts]
+            try:
+                input_ids, labels = pipeline.encode(raw, grids)
+            except SampleRejected as exc:
+                problems[si] = (exc.reason, exc.detail, "tokenize")
+            except Exception as exc:  # a tokenizer or template failure costs this sample only
+                problems[si] = ("encode_error", f"{type(exc).__name__}: {exc}"[:200], "tokenize")
+        if problems[si] is not None:
+            reason, detail, stage = problems[si]
+            acct.reject(raw.shard, raw.key, reason, detail)
+            times.fail(stage)
             continue
         pixels = np.concatenate([p for p, _ in parts]) if parts else np.zeros((0, spec.patch_dim), np.uint8)
         encoded.append(EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
@@ -101,6 +109,98 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder,
         mp += sum(p.shape[0] for p, _ in parts) * spec.patch_size**2 / 1e6
     times.add("tokenize", time.perf_counter() - t0, len(encoded))
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
+
+
+def _probe_samples(raws: list, problems: list, spec, times: StageTimes) -> dict[int, list[DecodeJob]]:
+    """Each live sample's decode jobs from its image headers; a rejected header rejects the sample."""
+    t0 = time.perf_counter()
+    jobs: dict[int, list[DecodeJob]] = {}
+    for si, raw in enumerate(raws):
+        if problems[si] is not None:
+            continue
+        mine = []
+        for _ext, data in raw.images:
+            try:
+                header = probe(data, spec.max_decode_pixels, spec.exif_orientation)
+                mine.append(DecodeJob(data, header, spec.target_size(header.height, header.width)))
+            except ImageRejected as exc:  # the header, or its aspect ratio (target_size)
+                problems[si] = (exc.reason, exc.detail, "decode")
+                break
+        else:
+            jobs[si] = mine
+    times.add("decode", time.perf_counter() - t0, 0)
+    return jobs
+
+
+def _budget_parts(jobs: dict[int, list[DecodeJob]], problems: list, budget: int | None) -> list[list[int]]:
+    """Samples grouped, in order, so that each group's decode stays under ``budget``."""
+    parts: list[list[int]] = []
+    used = 0
+    for si, mine in jobs.items():
+        need = decoded_bytes(mine)
+        if budget is not None and need > budget:
+            problems[si] = ("sample_too_large", f"decoding its {len(mine)} image(s) holds ~{need >> 20} MiB "
+                            f"> decoded_bytes_budget {budget >> 20} MiB", "decode")
+            continue
+        if not parts or (budget is not None and used + need > budget):
+            parts.append([])
+            used = 0
+        parts[-1].append(si)
+        used += need
+    return parts
+
+
+def _decode_part(part: list[int], jobs: dict, problems: list, decoded: dict, spec, decoder: Decoder,
+                 times: StageTimes) -> None:
+    flat = [(si, job) for si in part for job in jobs[si]]
+    if not flat:
+        return
+    try:
+        rows = decoder.to_pixel_rows([job for _, job in flat], spec, times.add)
+    except Exception as exc:  # the decoder failed as a whole: isolate the samples that make it fail
+        if len(part) == 1:
+            problems[part[0]] = ("decode_error", f"{type(exc).__name__}: {exc}"[:200], "decode")
+            return
+        for si in part:
+            _decode_part([si], jobs, problems, decoded, spec, decoder, times)
+        return
+    for (si, job), res in zip(flat, rows):
+        if problems[si] is not None:
+            continue
+        if isinstance(res, ImageRejected):
+            problems[si] = (res.reason, res.detail, "decode")
+            decoded.pop(si, None)
+        else:
+            decoded[si].append((res, job.grid(spec)))
+
+
+def split_item(item: WorkItem, parts: int) -> list[WorkItem]:
+    """The item cut into ``parts`` contiguous items (at most one per sample), to redo in pieces."""
+    n = len(item.samples)
+    bounds = [round(i * n / parts) for i in range(parts + 1)] if parts < n else list(range(n + 1))
+    return [WorkItem(item.shard, item.first + lo, item.samples[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def merge_results(item: WorkItem, results: list[ItemResult]) -> ItemResult:
+    """One result for ``item`` from the results of its pieces (``split_item``), in order."""
+    acct, times, samples = Accounting(), StageTimes(), []
+    images, mp = 0, 0.0
+    for r in results:
+        samples.extend(r.samples)
+        acct.merge(r.accounting)
+        times.merge(r.times)
+        images += r.images
+        mp += r.megapixels
+    return ItemResult(item.item_id, samples, acct, times, images, mp)
+
+
+def quarantine_item(item: WorkItem, reason: str, detail: str) -> ItemResult:
+    """Every sample of the item counted as rejected for ``reason``."""
+    acct = Accounting()
+    acct.read = len(item.samples)
+    for s in item.samples:
+        acct.reject(item.shard, s.key, reason, detail)
+    return ItemResult(item.item_id, [], acct, StageTimes())
 
 
 def encode_from_headers(raw, pipeline: Pipeline) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
@@ -112,7 +212,7 @@ def encode_from_headers(raw, pipeline: Pipeline) -> tuple[np.ndarray, np.ndarray
     spec = pipeline.vision
     grids = []
     for _ext, data in raw.images:
-        h = probe(data, spec.max_decode_pixels)
+        h = probe(data, spec.max_decode_pixels, spec.exif_orientation)
         grids.append(spec.grid(h.height, h.width))
     ids, labels = pipeline.encode(raw, grids)
     return ids, labels, grids
@@ -128,7 +228,7 @@ def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
     jobs, out = [], []
     for data in blobs:
         try:
-            header = probe(data, spec.max_decode_pixels)
+            header = probe(data, spec.max_decode_pixels, spec.exif_orientation)
             jobs.append(DecodeJob(data, header, spec.target_size(header.height, header.width)))
             out.append(None)
         except ImageRejected as exc:
@@ -158,6 +258,7 @@ class ItemProcessor:
         self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id)
         self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
         self.rules = SampleRules.parse(cfg.filters)
+        self.budget = cfg.decoded_bytes_budget
 
     def __call__(self, item: WorkItem) -> ItemResult:
-        return process_item(item, self.pipeline, self.decoder, self.limits, self.rules)
+        return process_item(item, self.pipeline, self.decoder, self.limits, self.rules, self.budget)

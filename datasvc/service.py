@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from datasvc.config import ServiceConfig
 from datasvc.plan import Position
 from datasvc.process import ItemProcessor, ItemResult, WorkItem
 from datasvc.balanced import BalancedProducer
 from datasvc.producer import BlockProducer, DataServiceError, EndOfData  # noqa: F401  (the service's errors)
-from datasvc.rejects import Accounting
-from datasvc.stats import QueueStats, StageTimes
+from datasvc.recovery import FaultInjection, Recovery, Task
+from datasvc.stats import QueueStats
 
 log = logging.getLogger("vlmfeed.service")
 
@@ -47,31 +46,15 @@ class PreprocessActor:
 
     def __init__(self, cfg: ServiceConfig, device_id: int = 0):
         self.processor = ItemProcessor(cfg, device_id)
-        self.faults = cfg.fault_injection
-        if "address_space_bytes" in self.faults:  # a real memory limit, for tests of what exceeds it
-            import resource
-
-            limit = int(self.faults["address_space_bytes"])
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        self.faults = FaultInjection(cfg.fault_injection) if cfg.fault_injection else None
 
     def process(self, item: WorkItem) -> ItemResult:
-        keys = {f"{item.shard}/{s.key}" for s in item.samples}
-        if self.faults.get("kill_on_key") in keys:  # fault injection: the process dies on this sample
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.faults.get("raise_on_key") in keys:  # fault injection: the whole item fails
-            raise RuntimeError(f"injected failure on {self.faults['raise_on_key']}")
+        if self.faults:
+            self.faults.before(item)
         return self.processor(item)
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def _quarantine_item(item: WorkItem, reason: str, detail: str) -> ItemResult:
-    acct = Accounting()
-    acct.read = len(item.samples)
-    for s in item.samples:
-        acct.reject(item.shard, s.key, reason, detail)
-    return ItemResult(item.item_id, [], acct, StageTimes())
 
 
 def _root_cause(exc: Exception) -> str:
@@ -81,10 +64,13 @@ def _root_cause(exc: Exception) -> str:
 
 
 class _Pool:
-    """Preprocessing actors of one feeder; replaces the dead, resubmits their items.
+    """Preprocessing actors of one feeder (an ``ItemRunner``); replaces the dead, redoes their items.
 
     A new actor gets work only once it has started: one that the cluster cannot place (no free
     CPUs) would otherwise hold its items forever. Items with no started actor wait in a backlog.
+
+    Items that raise, and items whose actor dies, are redone as ``datasvc.recovery`` decides: one
+    bad sample costs only itself, and the stream goes on.
     """
 
     PENDING_WARN_S = 60.0
@@ -98,8 +84,8 @@ class _Pool:
         self.actors: list = []  # started, assignable
         self.starting: dict = {}  # ready ref -> (actor, when asked for)
         self.retiring: list = []
-        self.backlog: list = []  # (key, item, attempts) waiting for a started actor
-        self.in_flight: dict = {}  # ref -> (item_key, item, actor, attempts)
+        self.recovery = Recovery(rank)  # its backlog: tasks waiting for a started actor
+        self.in_flight: dict = {}  # ref -> (task, actor)
         self.lock = threading.RLock()  # the producer and the autoscaler both change the pool
         self.replaced = 0
         self.start_failures = 0
@@ -158,25 +144,29 @@ class _Pool:
                             time.monotonic() - since, self.cfg.decode_threads)
 
     def load(self, actor) -> int:
-        return sum(1 for _, _, a, _ in self.in_flight.values() if a is actor)
+        return sum(1 for _, a in self.in_flight.values() if a is actor)
 
     def _free_actor(self):
         candidates = [a for a in self.actors if self.load(a) < 2]
         return min(candidates, key=self.load) if candidates else None
 
-    def submit(self, key, item: WorkItem, attempts: int = 0) -> bool:
+    def _dispatch(self, task: Task, actor) -> None:
+        self.recovery.started(task)
+        self.in_flight[actor.process.remote(task.item)] = (task, actor)
+
+    def submit(self, key, item: WorkItem) -> bool:
         with self.lock:
             self._promote()
             actor = self._free_actor()
             if actor is None:
                 return False
-            self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
+            self._dispatch(Task(key, item), actor)
             return True
 
     def has_room(self) -> bool:
         with self.lock:
             self._promote()
-            return not self.backlog and self._free_actor() is not None
+            return not self.recovery.backlog and self._free_actor() is not None
 
     def collect(self, timeout: float) -> list[tuple[object, ItemResult]]:
         with self.lock:
@@ -191,40 +181,53 @@ class _Pool:
             return self._collect_ready(ready)
 
     def _collect_ready(self, ready) -> list[tuple[object, ItemResult]]:
-        done = []
+        done: list = []
         for ref in ready:
-            key, item, actor, attempts = self.in_flight.pop(ref)
+            entry = self.in_flight.pop(ref, None)
+            if entry is None:  # taken back when its actor was found dead
+                continue
+            task, actor = entry
             try:
-                done.append((key, ray.get(ref)))
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-                self._replace(actor, exc)
-                self.backlog.append((key, item, attempts))
-            except RayTaskError as exc:
-                if attempts < 1:
-                    self.backlog.append((key, item, attempts + 1))
-                else:  # a deterministic failure: count every sample of the item, move on
-                    done.append((key, _quarantine_item(item, "worker_error", str(exc).splitlines()[-1][:200])))
+                result = ray.get(ref)
+            except RayActorError as exc:
+                self._actor_died(actor, task, exc, done)
+            except RayTaskError as exc:  # the item raised; the actor lives
+                self._raised(task, exc, done)
+            except RayError as exc:  # out of memory, worker crashed: the actor is gone all the same
+                self._actor_died(actor, task, exc, done)
+            else:
+                self.recovery.finish(task, result, done)
         self._drain_backlog()
         self._reap_retired()
         return done
 
+    def _raised(self, task: Task, exc: Exception, done: list) -> None:
+        self.recovery.raised(task, _root_cause(exc), done)
+
+    def _actor_died(self, actor, task: Task, exc: Exception, done: list) -> None:
+        """Every task the actor held goes to recovery (which charges the one it was running)."""
+        mine = [task] + [t for t, a in self.in_flight.values() if a is actor]
+        for ref in [r for r, (_, a) in self.in_flight.items() if a is actor]:
+            del self.in_flight[ref]
+        self._replace(actor, exc)
+        self.recovery.died(mine, f"{type(exc).__name__}: {_root_cause(exc)}", done)
+
     def _drain_backlog(self) -> None:
-        while self.backlog:
+        backlog = self.recovery.backlog
+        while backlog:
             actor = self._free_actor()
             if actor is None:
                 return
-            key, item, attempts = self.backlog.pop(0)
-            self.in_flight[actor.process.remote(item)] = (key, item, actor, attempts)
+            self._dispatch(backlog.pop(0), actor)
 
     def _replace(self, actor, exc) -> None:
         if actor not in self.actors:
-            return  # already replaced while collecting an earlier item of the same actor
+            return  # retiring, or already replaced
         self.replaced += 1
         log.warning("rank %d: preprocessing actor died (%s); replacing it and redoing its items",
                     self.rank, type(exc).__name__)
         self.actors.remove(actor)
         self.grow()
-        # Items that were queued on the dead actor fail too and come back through collect().
 
     def _reap_retired(self) -> None:
         for a in list(self.retiring):
@@ -309,6 +312,7 @@ class Feeder:
                 "actors": self.pool.size,
                 "actors_starting": len(self.pool.starting),
                 "actors_replaced": self.pool.replaced,
+                "items_split": self.pool.recovery.splits,
                 "items_in_flight": len(self.pool.in_flight),
                 "consumer_wait_s": round(self.consumer_wait_s, 3),
                 "producer_blocked_s": round(self._blocked_total(), 3),
