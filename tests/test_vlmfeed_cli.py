@@ -40,3 +40,12 @@ def test_subcommands_are_imported_only_when_chosen():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['datasvc.tools.cli']"
+
+
+def test_plan_reaches_the_trainer_planner():
+    proc = run("plan", "qwen3vl", "--gpus", "8", "--json")
+    assert proc.returncode in (0, 1), proc.stderr  # 1: the plan does not fit, which is an answer too
+    import json
+
+    plan = json.loads(proc.stdout)
+    assert "peak_gib" in plan and "fits" in plan

@@ -48,6 +48,12 @@ def _load(name: str):
         print(f"vlmfeed {name}: not available in this installation ({module_name} is missing)", file=sys.stderr)
         return None
     main = getattr(module, "main", None)
+    if main is None and hasattr(module, "__path__"):  # a package whose command is its __main__ module
+        try:
+            main = getattr(importlib.import_module(f"{module_name}.__main__"), "main", None)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{module_name}.__main__":
+                raise
     if main is None:
         print(f"vlmfeed {name}: {module_name} has no main(argv)", file=sys.stderr)
     return main
