@@ -232,6 +232,52 @@ class BlendedItems:
                                      self.per_epoch), self.names)
 
 
+class SourceCounts:
+    """Per-source accounting of a blended stream, beside the stream's own: read, quarantined and
+    skipped by rule from each work item's result, delivered from each micro-batch's sample keys.
+
+    A producer holds one: ``add_item(item, result)`` where it merges a result, ``add_delivered(keys)``
+    where it counts a micro-batch delivered, ``as_dict()`` in its stats; ``merge`` adds up ranks."""
+
+    def __init__(self, blend: BlendedItems):
+        from datasvc.rejects import Accounting
+
+        self.blend = blend
+        self.weights = dict(zip(blend.names, blend.weights))
+        self._by_shard = {item.shard: blend.source_of(item) for items in blend._items for item in items}
+        self.counts = {name: Accounting(max_log=0) for name in blend.names}
+
+    def add_item(self, item, result) -> None:
+        self.counts[self.blend.source_of(item)].merge(result.accounting)
+
+    def add_delivered(self, sample_keys) -> None:
+        for key in sample_keys:  # "shard/key", and a key may hold "/" too: the shard is a known prefix
+            parts = key.split("/")
+            for n in range(1, len(parts)):
+                source = self._by_shard.get("/".join(parts[:n]))
+                if source is not None:
+                    self.counts[source].delivered += 1
+                    break
+
+    def as_dict(self) -> dict:
+        return {name: {"weight": self.weights[name], **acct.as_dict()} for name, acct in self.counts.items()}
+
+
+def merge_source_stats(per_rank: list[dict]) -> dict:
+    """``SourceCounts.as_dict()`` of several ranks, added up (what a run summary reports)."""
+    out: dict = {}
+    for stats in per_rank:
+        for name, d in stats.items():
+            t = out.setdefault(name, {"weight": d["weight"], "read": 0, "delivered": 0, "quarantined": {},
+                                      "skipped_by_rule": {}})
+            t["read"] += d["read"]
+            t["delivered"] += d["delivered"]
+            for kind in ("quarantined", "skipped_by_rule"):
+                for reason, n in d[kind].items():
+                    t[kind][reason] = t[kind].get(reason, 0) + n
+    return out
+
+
 def blended_items(spec: str, items: list, seed: int, dp_size: int) -> BlendedItems:
     """The blend ``spec`` (``parse_blend``) over an epoch plan's work items, each item given to the
     source whose shard patterns list its shard (the first such source)."""

@@ -150,3 +150,34 @@ def test_a_blended_stream_resumes_exactly_and_counts_by_source(two_sources):
 
 def test_brace_alternatives_stay_inside_their_part():
     assert [s.shards for s in parse_blend("a/{0,1}.tar:1,b/{2..3}.tar:1")] == [("a/{0,1}.tar",), ("b/{2..3}.tar",)]
+
+
+def test_per_source_accounting(two_sources, tmp_path):
+    import sys
+
+    from datasvc.blend import SourceCounts, merge_source_stats
+    from datasvc.plan import EpochPlan
+    from datasvc.process import ItemProcessor
+    from datasvc.samples import real_photos
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_formats import write_img2dataset_shard
+
+    spec, root = two_sources
+    write_img2dataset_shard(str(tmp_path / "laion-0.tar"), [p for p in real_photos() if p[1].ndim == 3][:8])
+    cfg = blend_config(f"{spec},laion={tmp_path}/laion-*.tar:1", filters=("similarity>=0.28",))
+    plan = EpochPlan(cfg)
+    counts, process = SourceCounts(plan.blend), ItemProcessor(cfg)
+    read = {}
+    for item in plan.items(0, 0):
+        res = process(item)
+        counts.add_item(item, res)
+        counts.add_delivered([f"{s.shard}/{s.key}" for s in res.samples])
+        read[plan.blend.source_of(item)] = read.get(plan.blend.source_of(item), 0) + len(item.samples)
+    got = counts.as_dict()
+    assert {name: d["read"] for name, d in got.items() if d["read"]} == read
+    assert got["laion"]["read"] > 8  # half the weight, an eighth of the items: its samples repeat
+    assert 0 < got["laion"]["skipped_by_rule"]["filter:similarity>=0.28"] < got["laion"]["read"]
+    for d in got.values():
+        assert d["read"] == d["delivered"] + sum(d["quarantined"].values()) + sum(d["skipped_by_rule"].values())
+    assert merge_source_stats([got, got])["photos"]["delivered"] == 2 * got["photos"]["delivered"]
