@@ -46,7 +46,7 @@ class _Timings:
 
 def _jobs(n_images: int):
     from datasvc.decode import DecodeJob, probe
-    from datasvc.tools.bench.decode import photo_set
+    from datasvc.tools.bench.photos import photo_set
     from datasvc.vision import VisionSpec
 
     spec = VisionSpec(max_pixels=16777216)
