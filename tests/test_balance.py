@@ -349,13 +349,16 @@ def test_balance_dp_without_a_step_size_fails_fast(mixed_shards):
 
 def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_local):
     """Two DP ranks through the real service (feeders, actor pools, object store): each rank gets
-    the balanced stream its in-process plan says, the ranks' samples are disjoint, and a client
-    restored from a saved state continues exactly."""
+    the balanced stream its in-process plan says, both consumers of a replica get the same one, the
+    ranks' samples are disjoint, and a client restored from a saved state continues exactly."""
     import uuid
 
     from datasvc.balanced import BalancedProducer
     from datasvc.client import DataService
     from datasvc.service import EndOfData
+
+    import dataclasses
+    import threading
 
     cfg = stream_config(mixed_shards, max_actors=1, autoscale_interval_s=60.0)
     expected = {r: [b.sample_keys for b, _ in BalancedProducer(cfg, r).micro_batches()] for r in range(2)}
@@ -368,11 +371,18 @@ def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_
         except EndOfData:
             return out
 
-    svc = DataService(cfg, run=f"bal{uuid.uuid4().hex[:8]}")
+    # Two consumers a replica (its TP/PP/CP ranks): both must see the identical balanced stream.
+    svc = DataService(dataclasses.replace(cfg, consumers_per_replica=2), run=f"bal{uuid.uuid4().hex[:8]}")
     try:
-        got = {r: drain(svc.client(r, output="numpy")) for r in range(2)}
+        clients = {(r, c): svc.client(r, c, output="numpy") for r in range(2) for c in range(2)}
+        seen: dict = {}
+        threads = [threading.Thread(target=lambda k=k: seen.__setitem__(k, drain(clients[k]))) for k in clients]
+        [t.start() for t in threads]
+        [t.join(timeout=300) for t in threads]
     finally:
         svc.shutdown()
+    got = {r: seen[(r, 0)] for r in range(2)}
+    assert all(seen[(r, 1)] == got[r] for r in range(2))
     assert got == expected and all(len(v) >= 4 for v in got.values())
     assert not {k for b in got[0] for k in b} & {k for b in got[1] for k in b}
 
