@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -112,17 +114,27 @@ def large_shards(copies: int = 16) -> list[str]:
     return _cached_shards(f"photos-v1-crops{copies}", copies=copies, crops=True)
 
 
-def _cached_shards(name: str, **opts) -> list[str]:
+def cache_dir(*parts: str) -> str:
+    """A path under the one cache root: ``$VLMFEED_CACHE``, else ``~/.cache/vlmfeed``."""
     root = os.environ.get("VLMFEED_CACHE", os.path.expanduser("~/.cache/vlmfeed"))
-    out = os.path.join(root, name)
+    return os.path.join(root, *parts)
+
+
+def cached_tars(name: str, write: Callable[[str], object]) -> list[str]:
+    """The ``*.tar`` files of cache directory ``name``, written by ``write(directory)`` the first
+    time, into a temporary directory renamed into place: a run cut short, or two processes at
+    once, never leave a half-written set behind."""
+    out = cache_dir(name)
     done = os.path.join(out, ".complete")
     if not os.path.exists(done):
         tmp = out + f".tmp{os.getpid()}"
-        write_photo_shards(tmp, **opts)
+        write(tmp)
         if os.path.exists(out):
-            import shutil
-
             shutil.rmtree(out)
         os.replace(tmp, out)
         open(done, "w").close()
     return sorted(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".tar"))
+
+
+def _cached_shards(name: str, **opts) -> list[str]:
+    return cached_tars(name, lambda directory: write_photo_shards(directory, **opts))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from datasvc.tools.cache import cached_tars
+from datasvc.samples import cached_tars
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import os
 import platform
 import time
 
-from datasvc.tools.cache import cached_tars
+from datasvc.samples import cached_tars
 from datasvc.tools.window import steady_window
 
 

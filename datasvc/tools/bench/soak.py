@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 
 import psutil
 
-from datasvc.tools.cache import cache_dir
+from datasvc.samples import cache_dir
 
 
 def write_hostile_shards(out_dir: str, photo_shards: list[str]) -> list[str]:
