@@ -188,16 +188,22 @@ def _steps(path: str) -> list[dict]:
 
 
 def _regressors(model: ModelSpec, rec: dict, has_images: bool, stats: PhotoStats, mb_per_patch: float):
+    """(text FLOPs, vision FLOPs, seconds) of one recorded step. Records that carry the step's own
+    ``vision_patches`` / ``vision_patches_sq`` / ``sample_tokens_sq`` and ``compute_s`` (step time
+    less data wait) are used as they are; older records get them from the FLOP count and the set."""
     t = rec["step_time_s"]
     slots, real = rec["slot_tokens_per_s"] * t, rec["tokens_per_s"] * t
     f = flop_coefficients(model)
     samples = real / stats.mean_sample_tokens if has_images else 0.0
-    text = f["decoder_per_token"] * slots + f["decoder_per_token_sq"] * samples * stats.token_sq_per_sample
+    tokens_sq = rec.get("sample_tokens_sq", samples * stats.token_sq_per_sample)
+    text = f["decoder_per_token"] * slots + f["decoder_per_token_sq"] * tokens_sq
     patches = 0.0
     if has_images:
         patches = max(0.0, rec["tflops_per_gpu"] * t * 1e12 - f["decoder_per_token"] * slots) / mb_per_patch
-    vision = f["vision_per_patch"] * patches + f["vision_per_patch_sq"] * patches * stats.patch_sq_per_patch
-    return text, vision, t
+    patches = rec.get("vision_patches", patches)
+    patches_sq = rec.get("vision_patches_sq", patches * stats.patch_sq_per_patch)
+    vision = f["vision_per_patch"] * patches + f["vision_per_patch_sq"] * patches_sq
+    return text, vision, rec.get("compute_s", t)
 
 
 def fit(name: str, files: dict[str, bool], stats: PhotoStats, *, setting: str, commit: str,
