@@ -20,6 +20,7 @@ import time
 REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 ATTEMPTS = 4
 WINDOW = 256 << 10  # bytes fetched at least per GET: tar headers are read one 512-byte block at a time
+FIRST_READ = 4096  # the gzip check and the first tar header
 _COUNTERS = {"gets": 0, "bytes": 0, "retries": 0, "failures": 0}
 _LOCK = threading.Lock()
 
@@ -92,12 +93,20 @@ class RemoteArchive:
         end = min(offset + size, self.size)
         if offset >= end:
             return b""
-        if self._start <= offset and end <= self._start + len(self._buf):
+        buf_end = self._start + len(self._buf)
+        if self._start <= offset and end <= buf_end:
             return self._buf[offset - self._start:end - self._start]
+        if self._start <= offset < buf_end:  # runs past the window: fetch only what is missing
+            self._buf = self._buf[offset - self._start:] + self._get(buf_end, min(max(end, buf_end + self.window),
+                                                                                self.size))
+            self._start = offset
+            return self._buf[:end - offset]
         if size >= self.window:  # a large member: exactly its bytes, nothing kept
             return self._get(offset, end)
+        # The first read is the format check: a few bytes, not a window that a work item may not use.
+        ahead = self.window if self._buf or offset else FIRST_READ
         self._start = offset
-        self._buf = self._get(offset, min(offset + self.window, self.size))
+        self._buf = self._get(offset, min(max(end, offset + ahead), self.size))
         return self._buf[:end - offset]
 
     def close(self) -> None:

@@ -195,3 +195,12 @@ def test_a_connection_that_keeps_dropping_costs_its_samples_only(s3):
     proxy.cuts = 0
     assert storage.counters()["failures"] >= before["failures"] + 1
     assert got[0].problem and all(not r.problem for r in got[1:])
+
+
+def test_reading_a_whole_shard_fetches_each_byte_once(s3):
+    local = s3["local"][0]
+    idx = index_shard(url(local))
+    before = storage.counters()
+    got = list(read_samples(url(local), idx.samples, ReadLimits()))
+    assert not any(r.problem for r in got)
+    assert storage.counters()["bytes"] - before["bytes"] <= os.path.getsize(local)
