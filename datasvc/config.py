@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from datasvc.blend import blend_patterns, parse_blend
 from datasvc.filters import Rule
 
 
@@ -75,6 +76,9 @@ class ServiceConfig:
     filters: tuple[str, ...] = ()
     """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
     the others are counted as skipped_by_rule under the rule (grammar: datasvc.filters)."""
+    blend: str = ""
+    """Datasets drawn in fixed proportions: ``NAME=PATTERN:WEIGHT,...`` or a YAML file (grammar:
+    datasvc.blend). ``shards`` may then be left empty: it becomes every pattern the blend names."""
     balance_dp: bool = False
     """Deal each optimizer step's micro-batches of all DP ranks so that the costliest rank is as cheap
     as possible (``datasvc.balanced``): every feeder plans every rank's micro-batches from image
@@ -90,6 +94,11 @@ class ServiceConfig:
         else:
             object.__setattr__(self, "shards", tuple(self.shards))
         problems = []
+        if self.blend:
+            try:
+                object.__setattr__(self, "shards", self.shards or blend_patterns(self.blend))
+            except ValueError as exc:
+                problems.append(str(exc))
         if not self.shards:
             problems.append("shards is empty: pass at least one path, glob or brace pattern")
         if self.dp_size < 1 or self.consumers_per_replica < 1:
@@ -142,6 +151,8 @@ class ServiceConfig:
             fields["blocks_span_epochs"] = True
         if self.filters:
             fields["filters"] = list(self.filters)
+        if self.blend:  # the sources as parsed, so an edited blend file is a different stream
+            fields["blend"] = [[s.name, list(s.shards), s.weight] for s in parse_blend(self.blend)]
         if self.chain_blocks != 1:
             fields["chain_blocks"] = self.chain_blocks
         if self.balance_dp:

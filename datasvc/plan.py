@@ -39,6 +39,7 @@ class EpochPlan:
             for first in range(0, len(idx.samples), cfg.samples_per_item):
                 self._items.append(WorkItem(idx.path, first, tuple(idx.samples[first:first + cfg.samples_per_item])))
         self.total_samples = sum(len(i.samples) for i in self.indexes)
+        self._blend = None  # cfg.blend's draw over self._items, built when an order is first asked for
 
     @property
     def samples_per_item(self) -> float:
@@ -47,10 +48,24 @@ class EpochPlan:
 
     def items_per_epoch(self, rank: int) -> int:
         """How many work items this rank gets each epoch, without drawing an order."""
+        if self.cfg.blend:
+            return self.blend.items_per_epoch(rank)
         return len(range(rank, len(self._items), self.cfg.dp_size))
+
+    @property
+    def blend(self):
+        """The blend's sources over this plan's items (``datasvc.blend.BlendedItems``): per-source
+        shares, and ``source_of(item)`` for accounting by source."""
+        from datasvc.blend import blended_items
+
+        if self._blend is None:
+            self._blend = blended_items(self.cfg.blend, self._items, self.cfg.seed, self.cfg.dp_size)
+        return self._blend
 
     def items(self, epoch: int, rank: int) -> list:
         """This rank's work items for the epoch, in delivery order."""
+        if self.cfg.blend:
+            return self.blend.items(epoch, rank)
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self._items))
         return [self._items[i] for i in order[rank::self.cfg.dp_size]]
 
