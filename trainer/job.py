@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from datasvc.config import ServiceConfig
+from datasvc.filters import add_filter_flags, filters_from_flags
 from trainer.config import TrainerConfig
 
 log = logging.getLogger("vlmfeed.run")
@@ -34,7 +35,12 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     g.add_argument("--out", default="out/run", help="directory for metrics.jsonl and summary.json")
     g = p.add_argument_group("data")
-    g.add_argument("--shards", nargs="+", default=None, help="WebDataset shards (default: bundled real photos)")
+    g.add_argument("--shards", nargs="+", default=None,
+                   help="WebDataset shards: paths, globs, brace patterns, s3:// URLs, or an Energon dataset "
+                        "DIR[:SPLIT] (default: bundled real photos)")
+    g.add_argument("--blend", default="",
+                   help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file (instead of --shards)")
+    add_filter_flags(g)
     g.add_argument("--decode", choices=["cpu", "gpu"], default="cpu")
     g.add_argument("--decode-threads", type=int, default=1)
     g.add_argument("--data-actors", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
@@ -198,7 +204,8 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
     from trainer.workers import RankLayout
 
     layout0 = RankLayout(0, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp)
-    data_cfg = ServiceConfig(shards=tuple(args.shards or default_shards()), pipeline=args.pipeline,
+    data_cfg = ServiceConfig(shards=tuple(args.shards or (() if args.blend else default_shards())),
+                             blend=args.blend, filters=filters_from_flags(args), pipeline=args.pipeline,
                              pipeline_options=pipeline_options(args, backend),
                              seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=layout0.dp_size,
                              pack=not cfg.train.padded,
