@@ -1,0 +1,322 @@
+"""Video samples: probe the container, choose frames the way the model's processor does, decode
+only those with DALI (CPU or NVDEC through the mixed backend), resize each to the grid's size.
+
+Stages, as for images: ``probe_video`` reads the container's headers and demuxes packets (no frame
+is decoded) for codec, size, frame count, frame rate and whether the rate is constant;
+``plan_video`` turns that into the frame indices, the resized size and the patch grid, and checks
+the caps (sampled frames x stored pixels) before any decode; a ``VideoDecoder`` decodes the planned
+frames and returns uint8 frames, padded to the temporal patch, as pixel rows (one patch of one frame
+per row, frame after frame, raster order). ``to_video_pixel_values`` makes the model's float rows
+in the processor's patch order.
+
+The numbers (sampling fps, frame limits, pixel limits) are a pipeline's, given as a ``VideoSpec``.
+"""
+from __future__ import annotations
+
+import io
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from datasvc.decode import Timer, resize_uint8
+from datasvc.vision import ImageRejected, VisionSpec
+
+VIDEO_EXTS = ("mp4", "webm", "mkv", "mov")
+KNOWN_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mjpeg", "mpeg4")
+CPU_CODECS = ("vp8", "vp9", "mjpeg")
+"""What DALI's CPU video decoder takes (libavcodec); the mixed backend (NVDEC) takes all of
+``KNOWN_CODECS``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VideoSpec:
+    """How a model's processor samples and sizes a video; the values come from a pipeline."""
+
+    fps: float
+    min_frames: int
+    max_frames: int
+    min_pixels: int  # over frames x height x width, as the processor's smart resize counts them
+    max_pixels: int
+    max_decode_frame_pixels: int = 400_000_000
+    """Sampled frames x stored height x width of one sample's videos: past it the sample is rejected
+    ``video_too_large`` from the headers, before anything is decoded."""
+    max_frame_rate_spread: float = 0.05
+    """Packet durations further than this fraction from their median make a variable-frame-rate
+    video, rejected: the processor's timestamps (index / fps) would misplace its frames."""
+
+    def __post_init__(self):
+        if not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError(f"video frames: need 1 <= min_frames {self.min_frames} <= max_frames {self.max_frames}")
+        if self.fps <= 0:
+            raise ValueError(f"video sampling fps must be > 0, got {self.fps}")
+
+
+@dataclass(frozen=True, slots=True)
+class VideoHeader:
+    codec: str
+    width: int
+    height: int
+    frames: int
+    fps: float
+
+    @property
+    def duration(self) -> float:
+        return self.frames / self.fps
+
+
+def _reject_open(exc: Exception) -> ImageRejected:
+    text = str(exc)
+    cut = any(s in text.lower() for s in ("moov atom not found", "end of file", "truncat"))
+    return ImageRejected("video_truncated" if cut else "video_corrupt", f"{type(exc).__name__}: {text}"[:200])
+
+
+def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
+    """Codec, size, frame count and rate from the container alone; ``ImageRejected`` (a counted
+    reason) for what no decoder should be handed."""
+    import av
+
+    if not data:
+        raise ImageRejected("video_empty", "zero-length video member")
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception as exc:
+        raise _reject_open(exc) from None
+    with container:
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams}) or ["none"]
+            raise ImageRejected("video_no_video_stream", f"streams: {', '.join(kinds)}")
+        stream = container.streams.video[0]
+        codec = stream.codec_context.name if stream.codec_context else "unknown"
+        if codec not in KNOWN_CODECS:
+            raise ImageRejected("video_unsupported_codec", f"codec {codec}")
+        width, height = stream.codec_context.width, stream.codec_context.height
+        rate = stream.average_rate or stream.guessed_rate
+        try:
+            packets = [(p.pts, p.duration, p.pos, p.size) for p in container.demux(stream) if p.size > 0]
+        except Exception as exc:
+            raise _reject_open(exc) from None
+    if width <= 0 or height <= 0:
+        raise ImageRejected("video_corrupt", f"frame size {width}x{height}")
+    if not packets:
+        raise ImageRejected("video_truncated", "no video frames in the container")
+    if any(pos is not None and pos >= 0 and pos + size > len(data) for _pts, _d, pos, size in packets):
+        raise ImageRejected("video_truncated", "frames indexed past the end of the file")
+    if not rate or float(rate) <= 0:
+        raise ImageRejected("video_corrupt", "no frame rate in the container")
+    header = VideoHeader(codec, width, height, len(packets), float(rate))
+    _check_constant_rate(packets, spec.max_frame_rate_spread if spec else 0.05)
+    return header
+
+
+def _check_constant_rate(packets: list, spread: float) -> None:
+    pts = sorted(p[0] for p in packets if p[0] is not None)
+    if len(pts) < 3:
+        return
+    steps = np.diff(np.asarray(pts, dtype=np.float64))
+    median = float(np.median(steps))
+    if median <= 0 or float(np.max(np.abs(steps - median))) > spread * median:
+        raise ImageRejected("video_variable_frame_rate",
+                            f"frame steps {int(steps.min())}..{int(steps.max())} around {median:g}")
+
+
+def sample_frame_indices(total_frames: int, video_fps: float, spec: VideoSpec) -> np.ndarray:
+    """The processor's frame choice: ``fps`` frames a second of the video, clamped to
+    [min_frames, max_frames] and to the frames there are, spread by linspace and rounded."""
+    n = int(total_frames / video_fps * spec.fps)
+    n = min(max(n, spec.min_frames), spec.max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, n).round().astype(int)
+
+
+def group_timestamps(indices, video_fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal group: the mean of its first and last frame's time, the last group
+    padded with the last index (as the processor does)."""
+    idx = [int(i) for i in indices]
+    if len(idx) % temporal_patch_size:
+        idx += [idx[-1]] * (temporal_patch_size - len(idx) % temporal_patch_size)
+    secs = [i / video_fps for i in idx]
+    return [(secs[i] + secs[i + temporal_patch_size - 1]) / 2 for i in range(0, len(secs), temporal_patch_size)]
+
+
+def video_target_size(frames: int, height: int, width: int, vision: VisionSpec, spec: VideoSpec) -> tuple[int, int]:
+    """Smart resize over frames x height x width (the video processor's rule)."""
+    factor, tps = vision.factor, vision.temporal_patch_size
+    if height < factor or width < factor:
+        raise ImageRejected("video_too_small", f"{width}x{height} is under {factor} pixels a side")
+    if max(height, width) / min(height, width) > vision.max_aspect_ratio:
+        raise ImageRejected("aspect_ratio", f"{width}x{height} exceeds {vision.max_aspect_ratio:g}:1")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = math.ceil(frames / tps) * tps
+    if t_bar * h_bar * w_bar > spec.max_pixels:
+        beta = math.sqrt(frames * height * width / spec.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """What one video becomes, known before decoding: frames to decode, their size, the grid."""
+
+    data: bytes
+    header: VideoHeader
+    indices: tuple[int, ...]
+    target_hw: tuple[int, int]
+    grid: tuple[int, int, int]
+    timestamps: tuple[float, ...]  # seconds per temporal group
+
+    @property
+    def decode_frame_pixels(self) -> int:
+        return len(self.indices) * self.header.width * self.header.height
+
+
+def plan_video(data: bytes, vision: VisionSpec, spec: VideoSpec, header: VideoHeader | None = None) -> VideoPlan:
+    header = header or probe_video(data, spec)
+    indices = sample_frame_indices(header.frames, header.fps, spec)
+    th, tw = video_target_size(len(indices), header.height, header.width, vision, spec)
+    tps, p = vision.temporal_patch_size, vision.patch_size
+    grid = (-(-len(indices) // tps), th // p, tw // p)
+    plan = VideoPlan(data, header, tuple(int(i) for i in indices), (th, tw), grid,
+                     tuple(group_timestamps(indices, header.fps, tps)))
+    if plan.decode_frame_pixels > spec.max_decode_frame_pixels:
+        raise ImageRejected("video_too_large", f"{len(indices)} frames of {header.width}x{header.height} > "
+                            f"max_decode_frame_pixels {spec.max_decode_frame_pixels}")
+    return plan
+
+
+def check_sample_videos(plans: list[VideoPlan], spec: VideoSpec) -> None:
+    """The frames x pixels cap over all of one sample's videos."""
+    total = sum(p.decode_frame_pixels for p in plans)
+    if total > spec.max_decode_frame_pixels:
+        raise ImageRejected("video_too_large", f"{len(plans)} videos decode {total} frame pixels > "
+                            f"max_decode_frame_pixels {spec.max_decode_frame_pixels}")
+
+
+def frames_to_rows(frames: np.ndarray, plan: VideoPlan, vision: VisionSpec) -> np.ndarray:
+    """Decoded frames [F, H, W, 3] -> resized, padded to the temporal patch by repeating the last
+    frame, as uint8 rows [t*tps*h*w, 3*P*P] (frame after frame, each in raster order)."""
+    if frames.shape[0] != len(plan.indices) or frames.shape[1:3] != (plan.header.height, plan.header.width):
+        raise ImageRejected("video_corrupt", f"decoded {frames.shape[:3]}, planned "
+                            f"{len(plan.indices)}x{plan.header.height}x{plan.header.width}")
+    th, tw = plan.target_hw
+    tps = vision.temporal_patch_size
+    out = np.empty((plan.grid[0] * tps, th, tw, 3), np.uint8)
+    for k, frame in enumerate(frames):
+        out[k] = resize_uint8(np.ascontiguousarray(frame), (th, tw))
+    out[len(frames):] = out[len(frames) - 1]
+    return out.reshape(-1, vision.patch_dim)
+
+
+def to_video_pixel_values(rows: np.ndarray, vision: VisionSpec, grid_thw) -> np.ndarray:
+    """Concatenated video rows (``frames_to_rows``) -> normalized float32 ``pixel_values_videos``
+    [sum(t*h*w), 3*tps*P*P] in the processor's order: per temporal group, merge windows row-major,
+    the patches of a window, then channel, frame, patch pixels."""
+    p, m, tps = vision.patch_size, vision.merge_size, vision.temporal_patch_size
+    mean = np.asarray(vision.image_mean, np.float32).reshape(3, 1, 1, 1)
+    std = np.asarray(vision.image_std, np.float32).reshape(3, 1, 1, 1)
+    out, first = [], 0
+    for t, gh, gw in np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3).tolist():
+        count = t * tps * gh * gw
+        x = rows[first:first + count].reshape(t, tps, gh // m, m, p, gw // m, m, p, 3)
+        # -> t, gh/m, gw/m, m, m, C, tps, P, P
+        x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).astype(np.float32)
+        x = (x * (1 / 255.0) - mean) / std
+        out.append(x.reshape(t * gh * gw, 3 * tps * p * p))
+        first += count
+    if first != rows.shape[0]:
+        raise ValueError(f"video_grid_thw covers {first} rows of {rows.shape[0]}")
+    return np.concatenate(out) if out else np.zeros((0, 3 * tps * p * p), np.float32)
+
+
+class VideoDecoder:
+    """DALI's video decoder over in-memory containers, fed each video's planned frame indices (it
+    seeks to the keyframe before each run of frames instead of decoding the whole stream).
+
+    ``device_id=None``: the CPU backend (libavcodec: VP8, VP9, MJPEG; other codecs are rejected
+    ``video_codec_needs_gpu``). A device id: the mixed backend (NVDEC) for every known codec, frames
+    copied to the host for the resize."""
+
+    def __init__(self, device_id: int | None = None, num_threads: int = 1, max_batch: int = 4):
+        self.device_id, self.num_threads, self.max_batch = device_id, num_threads, max_batch
+        self.name = "cpu" if device_id is None else "gpu"
+        self._lock = threading.Lock()  # a DALI pipeline is fed and run by one thread at a time
+        self._build()
+
+    def _build(self) -> None:
+        from nvidia.dali import fn, pipeline_def, types
+
+        device = "cpu" if self.device_id is None else "mixed"
+
+        @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=self.device_id,
+                      exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
+        def video_pipeline():
+            encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            frames = fn.external_source(name="frames", dtype=types.INT32, ndim=1)
+            return fn.decoders.video(encoded, device=device, frames=frames, pad_mode="none")
+
+        self._pipe = video_pipeline()
+        self._pipe.build()
+
+    def decodable(self, header: VideoHeader) -> bool:
+        return self.device_id is not None or header.codec in CPU_CODECS
+
+    def _dali(self, plans: list[VideoPlan]) -> list[np.ndarray]:
+        with self._lock:
+            try:
+                self._pipe.feed_input("encoded", [np.frombuffer(p.data, dtype=np.uint8) for p in plans])
+                self._pipe.feed_input("frames", [np.asarray(p.indices, dtype=np.int32) for p in plans])
+                (out,) = self._pipe.run()
+            except RuntimeError:
+                self._build()  # a DALI pipeline that raised stays broken: start a fresh one
+                raise
+            if self.device_id is not None:
+                out = out.as_cpu()
+            return [np.asarray(out.at(i)) for i in range(len(plans))]
+
+    def _decode(self, plans: list[VideoPlan]) -> list[np.ndarray | ImageRejected]:
+        results: list = [None] * len(plans)
+        live = []
+        for i, plan in enumerate(plans):
+            if self.decodable(plan.header):
+                live.append(i)
+            else:
+                results[i] = ImageRejected("video_codec_needs_gpu",
+                                           f"{plan.header.codec}: the CPU decoder takes {', '.join(CPU_CODECS)}")
+        for start in range(0, len(live), self.max_batch):
+            chunk = live[start:start + self.max_batch]
+            try:
+                for i, frames in zip(chunk, self._dali([plans[i] for i in chunk])):
+                    results[i] = frames
+            except RuntimeError:  # one bad video fails the batch: redo one by one to isolate it
+                for i in chunk:
+                    try:
+                        results[i] = self._dali([plans[i]])[0]
+                    except RuntimeError as exc:
+                        results[i] = ImageRejected("video_corrupt", str(exc).strip().splitlines()[-1][:200])
+        return results
+
+    def to_pixel_rows(self, plans: list[VideoPlan], vision: VisionSpec,
+                      timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+        """Each planned video's uint8 rows (``frames_to_rows``), or why it failed."""
+        t0 = time.perf_counter()
+        decoded = self._decode(plans)
+        t1 = time.perf_counter()
+        out = []
+        for plan, frames in zip(plans, decoded):
+            if isinstance(frames, ImageRejected):
+                out.append(frames)
+                continue
+            try:
+                out.append(frames_to_rows(frames, plan, vision))
+            except ImageRejected as exc:
+                out.append(exc)
+        if timer:
+            timer("decode", t1 - t0, sum(len(p.indices) for p in plans))
+            timer("preprocess", time.perf_counter() - t1, sum(len(p.indices) for p in plans))
+        return out
