@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 from braceexpand import braceexpand
@@ -144,7 +145,7 @@ class _Grouper:
         self.files: dict[str, tuple[int, int]] = {}  # regular members so far, for hardlinks
         self.keys: set[str] = set()
         self.lost_key: str | None = None  # a damaged header's key, not yet matched to a sample
-        self.suspect = ""  # the next sample follows a gap whose content is unknown
+        self.unnamed: list[list] = []  # [sample before, sample after, where, trust neither] per gap
         self.damaged, self.lost_bytes = 0, 0
 
     def entry(self, e: Entry) -> None:
@@ -153,6 +154,8 @@ class _Grouper:
         name = _clean(e.name)
         key, ext = split_name(name)
         g = self._group(key)
+        if self.unnamed and self.unnamed[-1][1] is None:
+            self.unnamed[-1][1] = g
         if _UNSAFE.search(name):
             g.mark("unsafe_member_name", name[:120])
         elif e.kind == "symlink":
@@ -181,9 +184,6 @@ class _Grouper:
         if self.lost_key == key:
             g.mark("corrupt_tar_header", "a member's header is damaged")
             self.lost_key = None
-        if self.suspect:
-            g.mark("corrupt_tar_header", self.suspect)
-            self.suspect = ""
         self.groups.append(g)
         return g
 
@@ -207,14 +207,33 @@ class _Grouper:
             else:
                 self.lost_key = key
             return
-        # The lost bytes may hold members of the samples on either side: neither is trusted.
-        if self.groups:
-            self.groups[-1].mark("corrupt_tar_header", f"{where}; this sample may have lost a member")
-        self.suspect = f"{where}; this sample may have lost a member"
+        if key is None:  # who lost what is settled at the end, from the samples on either side
+            self.unnamed.append([self.groups[-1] if self.groups else None, None, where, False])
+            return
+        # A legible name, but more than its member was lost: neither neighbour is trusted.
+        self.unnamed.append([self.groups[-1] if self.groups else None, None, where, True])
         self.lost_key = key
+
+    def _settle_unnamed(self) -> None:
+        """Charge each illegible header's loss: a neighbour missing a member the shard's samples
+        usually have lost it; if both are whole, the bytes held a sample of their own, counted as
+        lost; if both lack one, both are rejected."""
+        usual = Counter(frozenset(g.exts) for g in self.groups).most_common(1)
+        usual = usual[0][0] if usual else frozenset()
+        for before, after, where, distrust in self.unnamed:
+            split = before is not None and before is after  # the gap fell inside one sample
+            sides = [g for g in ((before,) if split else (before, after)) if g is not None]
+            short = sides if distrust or split else [g for g in sides if frozenset(g.exts) < usual]
+            for g in short:
+                g.mark("corrupt_tar_header", f"{where}; this sample lost a member")
+            if sides and not short:
+                at = next(i for i, g in enumerate(self.groups) if g is (before or after)) + (before is not None)
+                self.groups.insert(at, _Group(f"<lost {where}>", problem="corrupt_tar_header",
+                                              detail="the damaged bytes held a sample of their own"))
 
     def finish(self, ending: str) -> list[SampleIndex]:
         self._settle_lost(None)
+        self._settle_unnamed()
         if ending and self.groups:  # the last sample may be incomplete: a rejection, not dropped silently
             self.groups[-1].problem, self.groups[-1].detail = "truncated_tar", ending
         if not self.groups and (ending or self.damaged):

@@ -205,17 +205,31 @@ def test_damaged_header_costs_its_sample_and_the_shard_reads_on(tmp_path, photo,
     assert res.accounting.read == len(keys)
 
 
-def test_unreadable_header_blames_only_its_neighbours(tmp_path, photo, qwen3vl, cpu_decoder):
+def garble(path: str, *names: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    for name in names:
+        at = _header_offset(path, name)
+        data[at:at + 512] = os.urandom(512)  # nothing of the header left to read
+    open(path, "wb").write(bytes(data))
+
+
+def test_unreadable_header_blames_the_sample_it_cost(tmp_path, photo, qwen3vl, cpu_decoder):
     keys = [f"s{i:02d}" for i in range(8)]
     path = write_tar(tmp_path / "garbled.tar", [m for k in keys for m in good(k, photo)])
-    data = bytearray(open(path, "rb").read())
-    at = _header_offset(path, "s05.jpg")
-    data[at:at + 512] = os.urandom(512)  # nothing of the header left to read
-    open(path, "wb").write(bytes(data))
+    garble(path, "s05.jpg")
     idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
-    assert set(reasons) <= {"s04", "s05"} and reasons["s05"] == "corrupt_tar_header"
-    assert set(delivered) >= {k for k in keys if k not in ("s04", "s05")}
-    assert res.accounting.read == len(idx.samples) >= len(keys) - 1
+    # s05 is left with its caption alone, s04 is whole: the lost image was s05's.
+    assert reasons == {"s05": "corrupt_tar_header"} and delivered == [k for k in keys if k != "s05"]
+    assert res.accounting.read == len(keys) and idx.damaged_headers == 1
+
+
+def test_a_sample_lost_whole_behind_unreadable_headers_is_counted(tmp_path, photo, qwen3vl, cpu_decoder):
+    keys = [f"s{i:02d}" for i in range(8)]
+    path = write_tar(tmp_path / "garbled.tar", [m for k in keys for m in good(k, photo)])
+    garble(path, "s05.jpg", "s05.txt")
+    idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
+    assert delivered == [k for k in keys if k != "s05"]  # both neighbours are whole: delivered
+    assert list(reasons.values()) == ["corrupt_tar_header"] and res.accounting.read == len(keys)
 
 
 def test_a_whole_sample_behind_damaged_headers_is_counted(tmp_path, photo, qwen3vl, cpu_decoder):
