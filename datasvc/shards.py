@@ -320,8 +320,8 @@ def _fill(raw: RawSample, s: SampleIndex, archive, limits: ReadLimits, ignored: 
         last = m.ext.rsplit(".", 1)[-1]
         if last in IMAGE_EXTS:
             images.append(m)
-        elif last in UNDECODED_MEDIA_EXTS:
-            raise _Rejected("unsupported_format", f"member .{m.ext}: {last} is not decoded by this service")
+        elif any(p in UNDECODED_MEDIA_EXTS or p in IMAGE_EXTS for p in m.ext.split(".")):  # .heic, .jpg.gz
+            raise _Rejected("unsupported_format", f"member .{m.ext}: not an image format decoded here")
         elif m.ext == "txt":
             text_member = m
         elif m.ext == "json":
