@@ -314,7 +314,7 @@ def test_duplicate_members_and_repeated_keys(tmp_path, photo, qwen3vl, cpu_decod
     assert res.accounting.as_dict()["noted"] == {"repeated_key": 1}
 
 
-def test_reading_never_unpickles_and_pil_limit_is_untouched(tmp_path):
+def test_importing_the_decoders_leaves_pils_limit_alone():
     code = ("import PIL.Image as I; before = I.MAX_IMAGE_PIXELS; import datasvc.decode, datasvc.process, "
             "datasvc.imagefile; assert I.MAX_IMAGE_PIXELS == before, I.MAX_IMAGE_PIXELS; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
