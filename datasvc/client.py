@@ -43,6 +43,7 @@ class DataClient:
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
         self._owned_feeder = None
+        self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
         self.wait_s = 0.0
         self.transfer_s = 0.0
         self.delivered = 0
@@ -108,11 +109,20 @@ class DataClient:
     def _state_after(self, pos: dict | None) -> dict:
         """The state that resumes right after the micro-batch at ``pos`` (None: from the start)."""
         pos = pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
-        return {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
-                "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+        state = {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
+                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+        if self._dataset is None:
+            try:  # asked once per feeder; a feeder that is gone leaves the state without it
+                self._dataset = ray.get(self._feeder().stats.remote(), timeout=60).get("dataset")
+            except (RayActorError, ValueError, ray.exceptions.GetTimeoutError):
+                pass
+        if self._dataset is not None:
+            state["dataset"] = self._dataset
+        return state
 
     def _reopen_feeder(self, state: dict) -> None:
         """Consumer 0 of a replica restarts the feeder at ``state``; the others wait for it."""
+        self._dataset = None  # the new feeder's plan (re-planned, with replan_on_dataset_change)
         if self.consumer == 0:
             self._restart_feeder(state)
         else:

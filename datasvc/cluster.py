@@ -1,15 +1,34 @@
-"""Joining or starting Ray: the embedded default is a local cluster on loopback only."""
+"""Joining or starting Ray: the embedded default is a local cluster that listens on loopback only.
+
+What ``connect`` does for the embedded cluster, and why:
+
+- Node address 127.0.0.1, for real. Ray on Linux replaces a loopback ``_node_ip_address`` by the
+  host's routable address (``services.resolve_ip_for_localhost``) unless its single-machine mode is
+  on, and every gRPC server (GCS, raylet, core workers, the driver), both agents and the metrics
+  exporter then listen on all interfaces or on that address. With the single-machine mode on (Ray's
+  own default on macOS and Windows), the node address stays 127.0.0.1 and each of them binds
+  loopback. ``tests/test_loopback.py`` lists every listening socket of the job's processes.
+- No dashboard (``include_dashboard=False``); the dashboard agent and the runtime-env agent still
+  run (Ray starts them on every node) and bind loopback like the rest.
+- Token authentication with a token of this cluster's own, in the environment the cluster's
+  processes inherit: whatever ``~/.ray/auth_token`` holds (a token of another cluster, junk, or
+  nothing) is neither read nor written, and a process on the same host needs the token to talk to
+  the cluster.
+
+With ``address`` (or RAY_ADDRESS, set by ``ray job submit``) this joins that cluster as it is
+configured, authentication included.
+"""
 from __future__ import annotations
 
 import os
+import secrets
 
 import ray
 
 
 def connect(address: str | None = None, num_cpus: int | None = None,
-            object_store_memory: int | None = None) -> None:
-    """``address`` or RAY_ADDRESS (set by ``ray job submit``) joins a cluster; otherwise start one
-    bound to 127.0.0.1 with no dashboard, so nothing listens beyond this host."""
+            object_store_memory: int | None = None, temp_dir: str | None = None) -> None:
+    """Join ``address`` (or RAY_ADDRESS), or start the embedded loopback-only cluster."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -17,8 +36,39 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
+    _loopback_node()
+    _use_auth_env(local_auth_env())
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus,
-             object_store_memory=object_store_memory, runtime_env=env, log_to_driver=True)
+             object_store_memory=object_store_memory, runtime_env=env, log_to_driver=True, _temp_dir=temp_dir)
+
+
+def local_auth_env() -> dict[str, str]:
+    """Environment for the processes of a cluster started on this host (``ray start`` included) and
+    for its clients: token authentication with a fresh token, so no ``~/.ray/auth_token`` is used.
+    Kept across calls in one process, so a restarted embedded cluster and its clients agree."""
+    token = os.environ.get("VLMFEED_RAY_TOKEN") or secrets.token_hex(32)
+    os.environ["VLMFEED_RAY_TOKEN"] = token
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
+def _use_auth_env(env: dict[str, str]) -> None:
+    """Put ``env`` in this process's environment, and have Ray's config (read once per process) and
+    its token cache read it again, as Ray does when it enables tokens for a new local cluster."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ.update(env)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _loopback_node() -> None:
+    """Ray's single-machine mode, so that the node address 127.0.0.1 is kept (see the module doc).
+    The environment variable reaches the processes Ray starts; the constant, read when Ray is first
+    imported, is set again for this process."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _project_root() -> str:

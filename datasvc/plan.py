@@ -5,6 +5,9 @@ and lets any actor redo any item.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +42,8 @@ class EpochPlan:
             for first in range(0, len(idx.samples), cfg.samples_per_item):
                 self._items.append(WorkItem(idx.path, first, tuple(idx.samples[first:first + cfg.samples_per_item])))
         self.total_samples = sum(len(i.samples) for i in self.indexes)
+        self.dataset = dataset_fingerprint([idx.path for idx in self.indexes])
+        """The shard files this plan was made over (``dataset_fingerprint``), for saved states."""
         self._blend = None  # cfg.blend's draw over self._items, built when an order is first asked for
 
     @property
@@ -115,6 +120,40 @@ class EpochPlan:
         batches = micro_batches(fits, rows, cfg, patch_dim)
         # Packing groups rows by length; shuffle the micro-batches so steps do not trend.
         return [batches[i] for i in rng.permutation(len(batches))], too_long, held
+
+
+LISTED_FILES = 1000
+"""A fingerprint lists each file (so a refused restore can say which changed) up to this many."""
+
+
+def dataset_fingerprint(paths: list[str]) -> dict:
+    """What a saved loader state records of the shard files: their number, a digest of every
+    (path, size, mtime), and each file's [size, mtime_ns] when there are at most ``LISTED_FILES``."""
+    files = {}
+    for p in paths:
+        st = os.stat(p)
+        files[p] = [st.st_size, st.st_mtime_ns]
+    digest = hashlib.sha1(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
+    out: dict = {"files": len(files), "digest": digest}
+    if len(files) <= LISTED_FILES:
+        out["listing"] = files
+    return out
+
+
+def dataset_changes(saved: dict, now: dict) -> str:
+    """'' when the shard files are as ``saved`` recorded them; else what changed, in words."""
+    if saved.get("digest") == now.get("digest"):
+        return ""
+    old, new = saved.get("listing"), now.get("listing")
+    if old is None or new is None:
+        return f"{saved.get('files')} shard files then, {now.get('files')} now, and their sizes or times differ"
+    parts = []
+    for what, names in (("added", sorted(set(new) - set(old))), ("removed", sorted(set(old) - set(new))),
+                        ("rewritten", sorted(p for p in set(old) & set(new) if list(old[p]) != list(new[p])))):
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            parts.append(f"{len(names)} {what} ({shown})")
+    return "; ".join(parts)
 
 
 TRAINING_CHAIN_BLOCKS = 4

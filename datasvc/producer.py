@@ -21,6 +21,7 @@ budget spent) raise ``DataServiceError`` from the iterator.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -29,9 +30,10 @@ from typing import Callable, Iterator, Protocol
 
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
-from datasvc.plan import EpochPlan, Position
+from datasvc.plan import EpochPlan, Position, dataset_changes, dataset_fingerprint
 from datasvc.process import ItemResult, WorkItem
 from datasvc.rejects import RULE_REASONS, Accounting
+from datasvc.shards import expand_shards
 from datasvc.stats import StageTimes, StreamStats
 
 
@@ -113,6 +115,25 @@ class FailureBudget:
                 f"rank {rank}: {total.n_quarantined} of {total.read} samples read ({rate:.1%}) were rejected, "
                 f"over max_rejection_rate={self.max_rate}; top reasons: {_top(total)}. Fix the data, or raise "
                 "max_rejection_rate (None: no limit)")
+
+
+def check_dataset(cfg: ServiceConfig, saved: dict | None) -> None:
+    """A saved loader state (its ``dataset``: ``plan.dataset_fingerprint``) resumes exactly only over
+    the shard files it was planned over: raise saying what changed, or, with
+    ``cfg.replan_on_dataset_change``, warn that the stream is re-planned over the files as they are."""
+    if not saved:  # a state saved before states recorded their files
+        return
+    changes = dataset_changes(saved, dataset_fingerprint(expand_shards(list(cfg.shards))))
+    if not changes:
+        return
+    if not cfg.replan_on_dataset_change:
+        raise DataServiceError(
+            f"the shard files changed since this loader state was saved: {changes}. Restore over the files as "
+            "they were, or set replan_on_dataset_change=True to re-plan over the files as they are now (samples "
+            "of the epoch under way may then repeat or be missed)")
+    logging.getLogger("vlmfeed.service").warning(
+        "the shard files changed since this loader state was saved (%s); re-planning over the files as they are "
+        "now, from the saved position (replan_on_dataset_change)", changes)
 
 
 def _top(acct: Accounting, n: int = 3) -> str:

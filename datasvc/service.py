@@ -19,13 +19,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from datasvc.config import ServiceConfig
 from datasvc.plan import Position
 from datasvc.process import ItemProcessor, ItemResult, WorkItem
 from datasvc.balanced import BalancedProducer
-from datasvc.producer import BlockProducer, DataServiceError, EndOfData  # noqa: F401  (the service's errors)
+from datasvc.producer import BlockProducer, DataServiceError, EndOfData, check_dataset  # noqa: F401  (errors)
 from datasvc.recovery import FaultInjection, Recovery, Task
 from datasvc.stats import QueueStats
 
@@ -126,7 +126,7 @@ class _Pool:
                 ray.get(ref)
                 self.actors.append(actor)
                 self.start_failures = 0
-            except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
+            except (RayActorError, RayTaskError) as exc:  # ActorDiedError, ActorUnavailableError among them
                 self.start_failures += 1
                 cause = _root_cause(exc)
                 if self.start_failures >= self.MAX_START_FAILURES:
@@ -317,6 +317,7 @@ class Feeder:
                 "consumer_wait_s": round(self.consumer_wait_s, 3),
                 "producer_blocked_s": round(self._blocked_total(), 3),
                 "autoscale_decisions": list(self.decisions),
+                "dataset": self.producer.plan.dataset,
                 "done": self.end is not None,
                 "error": self.end.error if self.end else "",
             }
@@ -426,5 +427,6 @@ def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = N
             raise DataServiceError("saved loader state was made with a different data config (shards, seed, "
                                    "seq_len, MBS, dp_size, items_per_block, blocks_span_epochs, chain_blocks, "
                                    "...); restore with the same one")
+        check_dataset(cfg, state.get("dataset"))
         start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
     return Feeder.options(name=feeder_name(run, rank)).remote(cfg, rank, start)

@@ -191,3 +191,48 @@ def test_shutdown_leaves_no_feeder_behind(photo_shards, ray_local):
     with pytest.raises(DataServiceError, match="closed or its service shut down"):
         for _ in range(20):  # what was prefetched before the shutdown (8 at most), then the refusal
             next(c)
+
+
+def test_restore_refuses_a_changed_shard_set_unless_asked_to_replan(photo_shards, ray_local, tmp_path):
+    """A saved state records the shard files (paths, sizes, times): a file added to the glob or a
+    shard rewritten in place fails the restore, naming it; replan_on_dataset_change goes on."""
+    import dataclasses
+    import shutil
+
+    import pytest
+
+    from datasvc.producer import check_dataset
+    from datasvc.service import DataServiceError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for s in photo_shards[:2]:
+        shutil.copy(s, data)
+    config = cfg([str(data / "*.tar")])
+    svc = DataService(config, run=f"g{uuid.uuid4().hex[:6]}")
+    try:
+        c = svc.client(0, output="numpy")
+        next(c)
+        state = json.loads(json.dumps(c.save_state()))  # as a checkpoint stores it
+    finally:
+        svc.shutdown()
+    assert state["dataset"]["files"] == 2
+    check_dataset(config, state["dataset"])  # unchanged: accepted
+
+    shutil.copy(photo_shards[2], data / "added.tar")
+    with pytest.raises(DataServiceError, match=r"1 added \(.*added\.tar\)"):
+        DataService(config, run=f"g{uuid.uuid4().hex[:6]}", restore={0: state})
+    (data / "added.tar").unlink()
+    shutil.copy(photo_shards[3], data / os.path.basename(photo_shards[0]))  # rewritten in place
+    with pytest.raises(DataServiceError, match=r"1 rewritten \(.*\).*replan_on_dataset_change=True"):
+        DataService(config, run=f"g{uuid.uuid4().hex[:6]}", restore={0: state})
+
+    replan = dataclasses.replace(config, replan_on_dataset_change=True)
+    svc = DataService(replan, run=f"g{uuid.uuid4().hex[:6]}")
+    try:
+        c = svc.client(0, output="numpy")
+        c.restore_state(state)
+        assert len(drain(c)) > 0
+        assert c.save_state()["dataset"] != state["dataset"]  # later states record the files as they are now
+    finally:
+        svc.shutdown()

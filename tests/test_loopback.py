@@ -1,0 +1,84 @@
+"""The embedded job listens on loopback only, and starts whatever ~/.ray/auth_token holds.
+
+A fresh process (as ``python -m trainer.run`` would be) with a HOME whose ~/.ray/auth_token is
+junk from another cluster starts the embedded cluster and a short data service, then lists the
+listening sockets of itself and every process under it (GCS, raylet, agents, workers, the feeder
+and its preprocessing actor): each must be on 127.0.0.0/8 or ::1.
+"""
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+JOB = r"""
+import json, os, sys, uuid
+import psutil, ray
+from datasvc.client import DataService
+from datasvc.cluster import connect
+from datasvc.config import ServiceConfig
+
+shards, temp = sys.argv[1:-1], sys.argv[-1]
+connect(num_cpus=2, object_store_memory=200 * 2**20, temp_dir=temp)
+cfg = ServiceConfig(shards=tuple(shards), seq_len=256, samples_per_item=4, items_per_block=2, epochs=None,
+                    pipeline_options={"min_pixels": 32 * 32, "max_pixels": 128 * 128}, max_actors=1)
+svc = DataService(cfg, run=f"l{uuid.uuid4().hex[:6]}")
+client = svc.client(0, output="numpy")
+batches = sum(1 for _ in zip(range(4), client))
+me = psutil.Process()
+listening = []
+for p in [me] + me.children(recursive=True):
+    try:
+        for c in p.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.append([c.laddr.ip, c.laddr.port, p.name(), " ".join(p.cmdline())[:80]])
+    except psutil.Error:
+        pass
+print("RESULT " + json.dumps({"batches": batches, "listening": listening, "processes": len(me.children(recursive=True)),
+                              "node_ip": ray.util.get_node_ip_address()}))
+client.close()
+svc.shutdown()
+ray.shutdown()
+"""
+
+
+def is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if getattr(addr, "ipv4_mapped", None) is not None:  # ::ffff:127.0.0.1, a dual-stack socket's view
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def test_embedded_job_listens_on_loopback_only_whatever_the_token_file_holds(tmp_path, photo_shards):
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    token_file = home / ".ray" / "auth_token"
+    token_file.write_text("junk-token-left-by-another-cluster\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "VLMFEED_RAY_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX"))}
+    env.update(HOME=str(home), PYTHONPATH=REPO)
+    temp = tempfile.mkdtemp(prefix="vl", dir="/tmp")  # AF_UNIX socket paths must stay short
+    try:
+        proc = subprocess.run([sys.executable, "-c", JOB, *photo_shards, temp], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["batches"] == 4 and result["node_ip"] == "127.0.0.1"
+    listening = result["listening"]
+    names = {name for _, _, name, _ in listening}
+    assert len(listening) >= 5 and {"gcs_server", "raylet"} <= names, listening  # the sockets were seen
+    beyond = [s for s in listening if not is_loopback(s[0])]
+    assert not beyond, f"listening beyond loopback: {beyond}"
+    assert token_file.read_text() == "junk-token-left-by-another-cluster\n"  # neither used nor replaced
+
+
+def test_loopback_check_itself():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not any(is_loopback(ip) for ip in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1"))
