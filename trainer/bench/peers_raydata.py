@@ -1,0 +1,131 @@
+"""Ray Data as its users feed a VLM trainer: ``read_webdataset`` on the same tars (its default
+decoder opens the JPEGs and captions), ``map_batches`` with the Hugging Face Qwen3-VL processor in
+a class on an actor pool, ``streaming_split`` to the trainer ranks, and each rank's micro-batches
+padded to the longest row (``iter_batches`` of MBS rows, padded as Bridge's collate pads).
+
+Every row leaves the actors holding its float32 ``pixel_values``: that is what the processor
+returns, and what a user moves through the object store to the rank.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from PIL import Image
+
+from trainer.bench.peers_data import PeerSetting, build_hf_processor, padded_batch
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+class HFQwen3VLEncoder:
+    """The ``map_batches`` class: the HF processor per sample (text by the chat template, then
+    processor(text, images)), the assistant reply supervised, labels shifted one to the left."""
+
+    def __init__(self, setting: PeerSetting):
+        self.processor = build_hf_processor(setting)
+        tok = self.processor.tokenizer
+        self.assistant_start = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.pid = os.getpid()
+
+    def __call__(self, batch: dict) -> dict:
+        out = {"input_ids": [], "labels": [], "loss_mask": [], "pixel_values": [], "image_grid_thw": [],
+               "key": [], "worker_pid": []}
+        keys = batch["__key__"]
+        for i in range(len(keys)):
+            # The decoder gives arrays of any channel count (grey, RGBA); the processor wants RGB.
+            images = [Image.fromarray(batch[ext][i]).convert("RGB") for ext in IMAGE_EXTS
+                      if ext in batch and batch[ext][i] is not None]
+            caption = str(batch["txt"][i]).strip()
+            messages = [{"role": "user", "content": [{"type": "image"}] * len(images)},
+                        {"role": "assistant", "content": [{"type": "text", "text": caption}]}]
+            text = self.processor.apply_chat_template(messages, tokenize=False)
+            enc = self.processor(text=[text], images=images or None, return_tensors="np")
+            ids = np.asarray(enc["input_ids"][0], dtype=np.int64)
+            mask = self._assistant_mask(ids)
+            labels = np.full_like(ids, -100)
+            labels[:-1] = np.where(mask[1:] > 0, ids[1:], -100)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["loss_mask"].append(np.concatenate([mask[1:], [0.0]]).astype(np.float32))
+            out["pixel_values"].append(np.asarray(enc["pixel_values"], dtype=np.float32))
+            out["image_grid_thw"].append(np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3))
+            out["key"].append(str(keys[i]))
+            out["worker_pid"].append(self.pid)
+        return {k: _column(v) for k, v in out.items()}
+
+    def _assistant_mask(self, ids: np.ndarray) -> np.ndarray:
+        """1 on the assistant reply and its <|im_end|> (what Bridge's chat loss supervises)."""
+        mask = np.zeros(len(ids), dtype=np.float32)
+        n = len(self.assistant_start)
+        start = None
+        for j in range(len(ids) - n, -1, -1):
+            if ids[j:j + n].tolist() == self.assistant_start:
+                start = j + n
+                break
+        if start is not None:
+            ends = np.flatnonzero(ids[start:] == self.im_end)
+            mask[start:start + (int(ends[0]) + 1 if len(ends) else len(ids) - start)] = 1.0
+        return mask
+
+
+def _column(values: list) -> np.ndarray:
+    """A ragged list as an object column (Ray Data stores it as a variable-shaped tensor)."""
+    col = np.empty(len(values), dtype=object)
+    col[:] = values
+    return col
+
+
+def build_dataset(setting: PeerSetting, actors: int, batch_size: int = 4):
+    """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``)."""
+    import ray.data
+
+    ds = ray.data.read_webdataset(list(setting.shards))
+    return ds.map_batches(HFQwen3VLEncoder, fn_constructor_args=(setting,), batch_size=batch_size,
+                          batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1)
+
+
+def split_for_ranks(setting: PeerSetting, ranks: int, actors: int):
+    """One streaming iterator per DP rank (equal shares, as Ray Train's dataset sharding does)."""
+    return build_dataset(setting, actors).streaming_split(ranks, equal=True)
+
+
+class RayDataPath:
+    """One rank's micro-batches from its ``streaming_split`` iterator, in the rank's contract; the
+    epoch starts again when it ends (``epochs`` None: without end)."""
+
+    name = "ray-data"
+
+    def __init__(self, setting: PeerSetting, iterator, pad_id: int, epochs: int | None = None):
+        self.setting, self.iterator, self.pad_id, self.epochs = setting, iterator, pad_id, epochs
+        self.worker_pids: set[int] = set()
+        self._gen = self._batches()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._gen)
+
+    def _batches(self):
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            for b in self.iterator.iter_batches(batch_size=self.setting.mbs, batch_format="numpy",
+                                                drop_last=True, prefetch_batches=2):
+                yield self._contract(b)
+            epoch += 1
+
+    def _contract(self, b: dict) -> dict:
+        import torch
+
+        self.worker_pids.update(int(p) for p in b["worker_pid"])
+        rows = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i], "loss_mask": b["loss_mask"][i]}
+                for i in range(len(b["input_ids"]))]
+        out = padded_batch(rows, self.setting.seq_len, self.pad_id, [str(k) for k in b["key"]])
+        out["pixel_values"] = torch.from_numpy(np.concatenate(list(b["pixel_values"]), axis=0))
+        out["image_grid_thw"] = torch.from_numpy(np.concatenate(list(b["image_grid_thw"]), axis=0))
+        return out
+
+    def close(self) -> None:
+        self._gen.close()
