@@ -33,7 +33,8 @@ class MicroBatchShape:
     sample_lengths: tuple[int, ...]
     """Tokens of each packed sample (attention runs within a sample only)."""
     image_patches: tuple[int, ...]
-    """Patches of each image (t*h*w of its grid; the tower attends within an image)."""
+    """Patches of each group the tower attends within: an image (h*w of its grid), or one temporal
+    group of a video (t groups of h*w patches)."""
     key: str = ""
     """Stable identity (first sample's key, or rank/block/index) that breaks cost ties."""
 
@@ -47,11 +48,13 @@ def shape_of(batch: PackedBatch, key: str | None = None) -> MicroBatchShape:
     lengths: list[int] = []
     for r, n in enumerate(batch.num_samples.tolist()):
         lengths.extend(np.diff(batch.cu_seqlens[r, : n + 1]).tolist())
-    grids = np.asarray(batch.image_grid_thw).reshape(-1, 3)
-    patches = tuple(int(p) for p in grids.prod(axis=1)) if len(grids) else ()
+    patches: list[int] = []
+    for grid in (batch.image_grid_thw, getattr(batch, "video_grid_thw", None)):
+        for t, h, w in np.asarray(grid if grid is not None else (), np.int64).reshape(-1, 3).tolist():
+            patches.extend([h * w] * t)
     if key is None:
         key = batch.sample_keys[0] if batch.sample_keys else ""
-    return MicroBatchShape(int(batch.tokens.size), tuple(int(n) for n in lengths), patches, key)
+    return MicroBatchShape(int(batch.tokens.size), tuple(int(n) for n in lengths), tuple(patches), key)
 
 
 def shape_from_rows(rows: list[list[tuple[int, tuple[int, ...]]]], seq_len: int, key: str = "",

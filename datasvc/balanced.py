@@ -162,7 +162,7 @@ class BalancedProducer:
             acct = Accounting()
             acct.merge(own)
             acct.merge(self.acct)
-            acct.read = own.read
+            acct.read, acct.delivered = own.read, self.acct.delivered  # the planner "delivers" every plan
             return {
                 "rank": self.rank, "start": self.start.as_dict(), "position": self._next.as_dict(),
                 "accounting": acct.as_dict(), "stages": self.times.as_dict(), **self.stream.as_dict(),

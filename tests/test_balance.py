@@ -379,8 +379,13 @@ def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_
         threads = [threading.Thread(target=lambda k=k: seen.__setitem__(k, drain(clients[k]))) for k in clients]
         [t.start() for t in threads]
         [t.join(timeout=300) for t in threads]
+        ranks = svc.stats()["ranks"]
     finally:
         svc.shutdown()
+    for rank in ranks:
+        b = rank["balance"]
+        assert b["steps"] >= 2 and b["straggler_ratio"] <= b["straggler_ratio_unbalanced"]
+        assert rank["accounting"]["delivered"] == sum(len(k) for k in expected[rank["rank"]])
     got = {r: seen[(r, 0)] for r in range(2)}
     assert all(seen[(r, 1)] == got[r] for r in range(2))
     assert got == expected and all(len(v) >= 4 for v in got.values())
