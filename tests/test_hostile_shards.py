@@ -292,14 +292,14 @@ def test_gif_bmp_tiff_are_decoded_and_capped(tmp_path, photo, qwen3vl, cpu_decod
         ("tiff.tif", _save(base, "TIFF")), ("tiff.txt", b"a tiff"),
         ("hugegif.gif", bytes(huge_gif)), ("hugegif.txt", b"a gif declaring 3.6 gigapixels"),
         ("heic.heic", b"\0\0\0\x18ftypheic" + b"\0" * 64), ("heic.txt", b"an image we do not decode"),
-        ("mp4.jpg", photo), ("mp4.mp4", b"\0\0\0\x18ftypisom"), ("mp4.txt", b"a video we do not decode"),
+        ("avi.jpg", photo), ("avi.avi", b"RIFF\0\0\0\0AVI "), ("avi.txt", b"a video we do not decode"),
         ("gz.jpg.gz", gzip.compress(photo)), ("gz.txt", b"a compressed image member"),
     ]
     path = write_tar(tmp_path / "formats.tar", members)
     idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
     assert delivered == ["bmp", "gif", "tiff"]
     assert all(len(s.image_grid_thw) == 1 for s in res.samples)  # none trained text-only
-    assert reasons == {"hugegif": "too_many_pixels", "heic": "unsupported_format", "mp4": "unsupported_format",
+    assert reasons == {"hugegif": "too_many_pixels", "heic": "unsupported_format", "avi": "unsupported_format",
                        "gz": "unsupported_format"}
 
 
