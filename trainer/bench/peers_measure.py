@@ -1,0 +1,163 @@
+"""How the peer benchmark measures: the CPU seconds and resident memory of a process tree (every
+data worker, Ray actor and Ray's own processes are descendants of the process that started the
+local Ray cluster or the DataLoader), sampled in a thread; means with two standard errors from
+blocks of consecutive measurements; ratios with errors by the delta method."""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+import psutil
+
+RAY_SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor", "ray_client_server",
+              "runtime_env_agent", "dashboard_agent")
+
+
+def _kind(proc: psutil.Process, root: int, ranks: set[int]) -> str:
+    if proc.pid == root:
+        return "driver"
+    if proc.pid in ranks:
+        return "rank"
+    try:
+        cmd = " ".join(proc.cmdline()[:3])
+    except (psutil.Error, OSError):
+        cmd = ""
+    name = proc.name()
+    if any(s in name or s in cmd for s in RAY_SYSTEM) and "ray::" not in name:
+        return "ray_system"
+    return "data_workers"
+
+
+class ProcessTreeMeter:
+    """CPU seconds (user + system) of ``root`` and all its descendants since ``start``, by kind:
+    driver, rank (trainer ranks, named by ``set_ranks``), ray_system (raylet, GCS, agents) and
+    data_workers (everything else: DataLoader workers, Ray Data and vlmfeed actors, Ray tasks).
+    A process that exits loses at most one sampling interval of its time. Also the peak of the
+    tree's summed resident memory."""
+
+    def __init__(self, root: int | None = None, interval_s: float = 0.2):
+        self.root = root or os.getpid()
+        self.interval_s = interval_s
+        self.ranks: set[int] = set()
+        self._base: dict[tuple[int, float], float] = {}
+        self._last: dict[tuple[int, float], tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.peak_rss_gib = 0.0
+
+    def set_ranks(self, pids) -> None:
+        self.ranks = set(int(p) for p in pids)
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.root)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def _sample(self) -> dict[tuple[int, float], tuple[str, float]]:
+        seen, rss = {}, 0
+        for p in self._tree():
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    key = (p.pid, p.create_time())
+                    seen[key] = (_kind(p, self.root, self.ranks), t.user + t.system)
+                    rss += p.memory_info().rss
+            except (psutil.Error, OSError):
+                continue
+        self.peak_rss_gib = max(self.peak_rss_gib, rss / 2**30)
+        return seen
+
+    def start(self) -> "ProcessTreeMeter":
+        """Zero: what every live process has used so far does not count."""
+        now = self._sample()
+        with self._lock:
+            self._base = {k: v[1] for k, v in now.items()}
+            self._last = dict(now)
+        self.peak_rss_gib = 0.0
+        self._sample()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="process-tree-meter")
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._update()
+
+    def _update(self) -> None:
+        now = self._sample()
+        with self._lock:
+            self._last.update(now)
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds since ``start`` by kind, and their total (sampled now)."""
+        self._update()
+        out = {"driver": 0.0, "rank": 0.0, "ray_system": 0.0, "data_workers": 0.0}
+        with self._lock:
+            for key, (kind, cpu) in self._last.items():
+                out[kind] += max(0.0, cpu - self._base.get(key, 0.0))
+        out["total"] = sum(out.values())
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+
+def mean_se(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and its standard error (None where there are too few values)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None, None
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return m, None
+    var = sum((v - m) ** 2 for v in vals) / (len(vals) - 1)
+    return m, math.sqrt(var / len(vals))
+
+
+def block_means(values: list[float], blocks: int = 5) -> list[float]:
+    """Means of ``blocks`` consecutive runs of the values (steps or batches are correlated; block
+    means are close to independent, so their spread gives an honest standard error)."""
+    vals = [v for v in values if v is not None]
+    if len(vals) < blocks:
+        return vals
+    size = len(vals) // blocks
+    return [sum(vals[i * size:(i + 1) * size]) / size for i in range(blocks)]
+
+
+def ratio(num: tuple, den: tuple) -> dict:
+    """num/den with two standard errors (delta method), from (mean, se) pairs."""
+    (a, sa), (b, sb) = num, den
+    if a is None or b is None or b == 0:
+        return {"ratio": None, "pm_2se": None}
+    r = a / b
+    if sa is None or sb is None or a == 0:
+        return {"ratio": round(r, 3), "pm_2se": None}
+    return {"ratio": round(r, 3), "pm_2se": round(2 * abs(r) * math.sqrt((sa / a) ** 2 + (sb / b) ** 2), 3)}
+
+
+class Clock:
+    """Wall time and process-tree CPU at block boundaries of a stream of micro-batches."""
+
+    def __init__(self, meter: ProcessTreeMeter):
+        self.meter = meter
+        self.marks: list[tuple[float, float, int]] = []  # (time, tree CPU, samples so far)
+
+    def mark(self, samples: int) -> None:
+        self.marks.append((time.perf_counter(), self.meter.cpu_s()["total"], samples))
+
+    def rates(self) -> tuple[list[float], list[float]]:
+        """Per interval between marks: samples/s and CPU-s per sample."""
+        sps, cps = [], []
+        for (t0, c0, n0), (t1, c1, n1) in zip(self.marks, self.marks[1:]):
+            if n1 > n0 and t1 > t0:
+                sps.append((n1 - n0) / (t1 - t0))
+                cps.append((c1 - c0) / (n1 - n0))
+        return sps, cps
