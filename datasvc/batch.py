@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 IGNORE_INDEX = -100
+_NO_VIDEO_ROWS = np.zeros((0, 0), np.uint8)
+_NO_GRIDS = np.zeros((0, 3), np.int64)
+
+
+def grid_patches(grid_thw: np.ndarray) -> int:
+    return int(np.prod(np.asarray(grid_thw, np.int64).reshape(-1, 3), axis=1).sum())
 
 
 @dataclass(slots=True)
@@ -26,6 +32,10 @@ class EncodedSample:
     labels: np.ndarray  # int32 [L], already shifted: labels[i] is the target for position i
     pixels: np.ndarray  # uint8 [sum(h*w), 3*P*P]: each image's ``vision.pixel_rows`` in turn
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
+    # Videos: uint8 [sum(t*T*h*w), 3*P*P], each video's frames (padded to the temporal patch T) one
+    # after the other in raster order (``datasvc.video.frames_to_rows``); grids [n_videos, 3].
+    video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)
+    video_grid_thw: np.ndarray = field(default_factory=lambda: _NO_GRIDS)
 
     @property
     def num_tokens(self) -> int:
@@ -34,6 +44,15 @@ class EncodedSample:
     @property
     def num_patches(self) -> int:
         return int(self.pixels.shape[0])
+
+    @property
+    def num_video_patches(self) -> int:
+        """Patches the vision encoder sees for this sample's videos (t*h*w each)."""
+        return grid_patches(self.video_grid_thw)
+
+    @property
+    def vision_patches(self) -> int:
+        return self.num_patches + self.num_video_patches
 
 
 @dataclass(slots=True)
@@ -55,6 +74,8 @@ class PackedBatch:
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
     sample_keys: list[str] = field(default_factory=list)  # "shard/key", in row-major order
     sample_rows: np.ndarray | None = None  # int32 [n_samples]: the row each key sits in
+    video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)  # as EncodedSample's, in turn
+    video_grid_thw: np.ndarray = field(default_factory=lambda: _NO_GRIDS)  # int64 [n_videos, 3]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,7 +88,8 @@ class PackedBatch:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.tokens, self.labels, self.loss_mask, self.cu_seqlens,
-                                      self.num_samples, self.pixels, self.image_grid_thw))
+                                      self.num_samples, self.pixels, self.image_grid_thw,
+                                      self.video_pixels, self.video_grid_thw))
 
     def sample_spans(self) -> list[tuple[int, int, int]]:
         """(row, start, end) of every sample, row-major; the trainer builds THD params from these."""

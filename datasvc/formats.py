@@ -23,12 +23,19 @@ Where an image goes:
   configured caption prompt.
 - Placeholders and images that do not pair up one to one are ``image_count_mismatch``; an image
   in a system turn or an assistant reply is too.
+- Videos the same way: ``{"type": "video"}`` parts, ``<video>`` placeholders in string content
+  (LLaVA-Video), else at the start of the first user turn after the images; captioning samples put
+  them after the images. Unpaired ones are ``video_count_mismatch``.
 """
 from __future__ import annotations
 
-from datasvc.text import IMAGE, SampleRejected
+import re
+
+from datasvc.text import IMAGE, VIDEO, SampleRejected
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 CAPTION_KEYS = ("caption", "text")
 CONVERSATION_KEYS = ("messages", "conversations", "conversation")
 
@@ -71,12 +78,12 @@ def attach_json(raw, doc) -> None:
             raw.text = caption
 
 
-def caption_messages(caption: str, n_images: int, prompt: str = "") -> list[dict]:
-    user = [IMAGE] * n_images + ([prompt] if prompt else [])
+def caption_messages(caption: str, n_images: int, prompt: str = "", n_videos: int = 0) -> list[dict]:
+    user = [IMAGE] * n_images + [VIDEO] * n_videos + ([prompt] if prompt else [])
     return [{"role": "user", "content": user}, {"role": "assistant", "content": [caption]}]
 
 
-def conversation_messages(doc, n_images: int) -> list[dict]:
+def conversation_messages(doc, n_images: int, n_videos: int = 0) -> list[dict]:
     """Any accepted conversation shape -> messages with part-list content, images placed."""
     system = None
     if isinstance(doc, dict):
@@ -94,23 +101,22 @@ def conversation_messages(doc, n_images: int) -> list[dict]:
         if role is None:
             raise SampleRejected("bad_conversation", f"unknown role in {str(m)[:80]}")
         out.append({"role": role, "content": _parts(m.get("content", m.get("value")))})
-    placed = sum(p is IMAGE for m in out for p in m["content"])
-    if placed == 0 and n_images:
-        first_user = next((m for m in out if m["role"] == "user"), None)
-        if first_user is None:
-            raise SampleRejected("bad_conversation", "images but no user turn to put them in")
-        first_user["content"] = [IMAGE] * n_images + first_user["content"]
+    for marker, n in ((VIDEO, n_videos), (IMAGE, n_images)):  # images end up first
+        if n and not any(p is marker for m in out for p in m["content"]):
+            first_user = next((m for m in out if m["role"] == "user"), None)
+            if first_user is None:
+                raise SampleRejected("bad_conversation", f"{marker!r} parts but no user turn to put them in")
+            first_user["content"] = [marker] * n + first_user["content"]
     return out
 
 
 def _parts(content) -> list:
     if isinstance(content, str):
-        pieces = content.split(IMAGE_MARKER)
         parts: list = []
-        for k, piece in enumerate(pieces):
-            if k:
-                parts.append(IMAGE)
-            if piece:
+        for piece in _MARKERS.split(content):
+            if piece in (IMAGE_MARKER, VIDEO_MARKER):
+                parts.append(IMAGE if piece == IMAGE_MARKER else VIDEO)
+            elif piece:
                 parts.append(piece)
         return parts
     if isinstance(content, list):
@@ -126,22 +132,22 @@ def _part(p):
     kind = p.get("type")
     if kind in ("image", "image_url") or (kind is None and ("image" in p or "image_url" in p)):
         return IMAGE
-    if kind == "video" or "video" in p:
-        raise SampleRejected("unsupported_part", "video parts are not read from conversations yet")
+    if kind in ("video", "video_url") or (kind is None and ("video" in p or "video_url" in p)):
+        return VIDEO
     if isinstance(p.get("text"), str):
         return p["text"]
     raise SampleRejected("bad_conversation", f"content part needs type image or text: {str(p)[:80]}")
 
 
-def sample_messages(raw, n_images: int, caption_prompt: str = "") -> list[dict]:
+def sample_messages(raw, n_images: int, caption_prompt: str = "", n_videos: int = 0) -> list[dict]:
     """The messages a sample is trained on: its conversation, else its caption."""
     if raw.conversation is not None:
-        return conversation_messages(raw.conversation, n_images)
+        return conversation_messages(raw.conversation, n_images, n_videos)
     if raw.text is not None:
         caption = raw.text.strip()
         if not caption:
             raise SampleRejected("missing_text", "empty caption")
-        return caption_messages(caption, n_images, caption_prompt)
+        return caption_messages(caption, n_images, caption_prompt, n_videos)
     raise SampleRejected("missing_text", "no txt member, conversation or metadata caption")
 
 

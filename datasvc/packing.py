@@ -67,7 +67,7 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
     labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
     cu = np.zeros((B, k + 1), dtype=np.int32)
     num = np.zeros(B, dtype=np.int32)
-    keys, sample_rows, pixels, grids = [], [], [], []
+    keys, sample_rows, pixels, grids, video_pixels, video_grids = [], [], [], [], [], []
     for r, row in enumerate(rows):
         pos = 0
         for j, s in enumerate(row):
@@ -80,6 +80,9 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
             sample_rows.append(r)
             pixels.append(s.pixels)
             grids.append(s.image_grid_thw)
+            if len(s.video_grid_thw):
+                video_pixels.append(s.video_pixels)
+                video_grids.append(s.video_grid_thw)
         cu[r, len(row) + 1:] = pos
         num[r] = len(row)
     return PackedBatch(
@@ -87,7 +90,9 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
         cu_seqlens=cu, num_samples=num,
         pixels=np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), np.uint8),
         image_grid_thw=np.concatenate(grids) if grids else np.zeros((0, 3), np.int64),
-        sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32))
+        sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32),
+        video_pixels=np.concatenate(video_pixels) if video_pixels else np.zeros((0, patch_dim), np.uint8),
+        video_grid_thw=np.concatenate(video_grids) if video_grids else np.zeros((0, 3), np.int64))
 
 
 def plan_block(samples: list[EncodedSample], cfg: PackingConfig
@@ -115,7 +120,7 @@ def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_s
 
 def micro_batches(fits: list[EncodedSample], rows: list[list[int]], cfg: PackingConfig, patch_dim: int
                   ) -> list[PackedBatch]:
-    row_patches = [sum(fits[i].num_patches for i in row) for row in rows]
+    row_patches = [sum(fits[i].vision_patches for i in row) for row in rows]  # images' and videos' patches
     return [merge([[fits[i] for i in rows[r]] for r in mb], cfg, patch_dim)
             for mb in plan_micro_batches(row_patches, cfg.micro_batch_size)]
 

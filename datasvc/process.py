@@ -21,6 +21,7 @@ from datasvc.rejects import Accounting
 from datasvc.shards import ReadLimits, SampleIndex, read_samples
 from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where callers looked for it)
 from datasvc.text import SampleRejected
+from datasvc.video import VideoDecoder, decode_sample_videos, plan_video
 from datasvc.vision import ImageRejected
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +58,11 @@ def decoded_bytes(jobs: list[DecodeJob]) -> int:
 
 
 def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: ReadLimits = ReadLimits(),
-                 rules: SampleRules | None = None, budget: int | None = None) -> ItemResult:
+                 rules: SampleRules | None = None, budget: int | None = None, video_decoder=None) -> ItemResult:
     """``rules``: the user's filters, checked before any pixel is decoded. ``budget``: decoded bytes
     held at once (``ServiceConfig.decoded_bytes_budget``); the item decodes in parts that fit it, and
-    a sample that alone does not is rejected ``sample_too_large``."""
+    a sample that alone does not is rejected ``sample_too_large``. ``video_decoder()``: the
+    ``datasvc.video.VideoDecoder`` for samples with videos (CPU DALI when not given)."""
     acct = Accounting()
     times = StageTimes()
     spec = pipeline.vision
@@ -83,6 +85,8 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
     decoded: dict[int, list] = defaultdict(list)
     for part in _budget_parts(jobs, problems, budget):
         _decode_part(part, jobs, problems, decoded, spec, decoder, times)
+    videos = decode_sample_videos(raws, problems, spec, getattr(pipeline, "video", None),
+                                  video_decoder or _cpu_video_decoder, times.add)
 
     t0 = time.perf_counter()
     encoded: list[EncodedSample] = []
@@ -91,8 +95,9 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
         parts = decoded.get(si, [])
         if problems[si] is None:
             grids = [g for _, g in parts]
+            plans = [plan for _, plan in videos.get(si, [])]
             try:
-                input_ids, labels = pipeline.encode(raw, grids)
+                input_ids, labels = pipeline.encode(raw, grids, plans) if plans else pipeline.encode(raw, grids)
             except SampleRejected as exc:
                 problems[si] = (exc.reason, exc.detail, "tokenize")
             except Exception as exc:  # a tokenizer or template failure costs this sample only
@@ -103,8 +108,12 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
             times.fail(stage)
             continue
         pixels = np.concatenate([p for p, _ in parts]) if parts else np.zeros((0, spec.patch_dim), np.uint8)
-        encoded.append(EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
-                                     np.asarray(grids, dtype=np.int64).reshape(-1, 3)))
+        sample = EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
+                               np.asarray(grids, dtype=np.int64).reshape(-1, 3))
+        if plans:
+            sample.video_pixels = np.concatenate([r for r, _ in videos[si]])
+            sample.video_grid_thw = np.asarray([p.grid for p in plans], dtype=np.int64)
+        encoded.append(sample)
         n_images += len(parts)
         mp += sum(p.shape[0] for p, _ in parts) * spec.patch_size**2 / 1e6
     times.add("tokenize", time.perf_counter() - t0, len(encoded))
@@ -174,6 +183,16 @@ def _decode_part(part: list[int], jobs: dict, problems: list, decoded: dict, spe
             decoded[si].append((res, job.grid(spec)))
 
 
+_CPU_VIDEO_DECODER: list = []
+
+
+def _cpu_video_decoder() -> VideoDecoder:
+    """One CPU video decoder for the process, built when the first video arrives."""
+    if not _CPU_VIDEO_DECODER:
+        _CPU_VIDEO_DECODER.append(VideoDecoder(device_id=None))
+    return _CPU_VIDEO_DECODER[0]
+
+
 def split_item(item: WorkItem, parts: int) -> list[WorkItem]:
     """The item cut into ``parts`` contiguous items (at most one per sample), to redo in pieces."""
     n = len(item.samples)
@@ -214,7 +233,11 @@ def encode_from_headers(raw, pipeline: Pipeline) -> tuple[np.ndarray, np.ndarray
     for _ext, data in raw.images:
         h = probe(data, spec.max_decode_pixels, spec.exif_orientation)
         grids.append(spec.grid(h.height, h.width))
-    ids, labels = pipeline.encode(raw, grids)
+    video = getattr(pipeline, "video", None)
+    if raw.videos and video is None:
+        raise ImageRejected("video_not_supported", "this pipeline takes no video")
+    plans = [plan_video(data, spec, video) for _ext, data in raw.videos]
+    ids, labels = pipeline.encode(raw, grids, plans) if plans else pipeline.encode(raw, grids)
     return ids, labels, grids
 
 
@@ -259,6 +282,15 @@ class ItemProcessor:
         self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
         self.rules = SampleRules.parse(cfg.filters)
         self.budget = cfg.decoded_bytes_budget
+        self._video_device = None if cfg.decode == "cpu" else device_id
+        self._video_threads = cfg.decode_threads
+        self._video_decoder: VideoDecoder | None = None
+
+    def video_decoder(self) -> VideoDecoder:
+        if self._video_decoder is None:
+            self._video_decoder = VideoDecoder(device_id=self._video_device, num_threads=self._video_threads)
+        return self._video_decoder
 
     def __call__(self, item: WorkItem) -> ItemResult:
-        return process_item(item, self.pipeline, self.decoder, self.limits, self.rules, self.budget)
+        return process_item(item, self.pipeline, self.decoder, self.limits, self.rules, self.budget,
+                            self.video_decoder)

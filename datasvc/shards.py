@@ -27,7 +27,8 @@ IMAGE_EXTS = ("jpg", "jpeg", "jpe", "jfif", "png", "apng", "webp", "gif", "bmp",
 # without them as text alone.
 UNDECODED_MEDIA_EXTS = ("heic", "heif", "avif", "jxl", "jp2", "j2k", "jpx", "svg", "ico", "tga", "psd", "pbm",
                         "pgm", "ppm", "pnm", "dng", "cr2", "nef", "arw", "exr", "hdr", "dds", "pcx", "eps", "xcf",
-                        "mp4", "webm", "mkv", "mov", "avi", "m4v")
+                        "avi", "m4v")
+VIDEO_EXTS = ("mp4", "webm", "mkv", "mov")  # decoded by datasvc.video
 TEXT_EXTS = ("txt", "json")
 # Members that would execute code when unpickled: never loaded, always counted.
 PICKLE_EXTS = ("pyd", "pickle", "pkl", "pth", "npy", "npz")
@@ -271,6 +272,7 @@ class RawSample:
     problem: str = ""
     detail: str = ""
     metadata: dict = field(default_factory=dict)  # a non-conversation JSON (img2dataset: url, similarity, ...)
+    videos: list[tuple[str, bytes]] = field(default_factory=list)  # (ext, bytes) in member-name order
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -315,12 +317,14 @@ def read_samples(path: str, samples: list[SampleIndex], limits: ReadLimits, igno
 def _fill(raw: RawSample, s: SampleIndex, archive, limits: ReadLimits, ignored: dict | None) -> None:
     from datasvc.formats import attach_json
 
-    images, text_member, json_member = [], None, None
+    images, videos, text_member, json_member = [], [], None, None
     for m in s.members:
         last = m.ext.rsplit(".", 1)[-1]
         if last in IMAGE_EXTS:
             images.append(m)
-        elif any(p in UNDECODED_MEDIA_EXTS or p in IMAGE_EXTS for p in m.ext.split(".")):  # .heic, .jpg.gz
+        elif last in VIDEO_EXTS:
+            videos.append(m)
+        elif any(p in UNDECODED_MEDIA_EXTS or p in IMAGE_EXTS or p in VIDEO_EXTS for p in m.ext.split(".")):  # .heic, .jpg.gz
             raise _Rejected("unsupported_format", f"member .{m.ext}: not an image format decoded here")
         elif m.ext == "txt":
             text_member = m
@@ -334,7 +338,7 @@ def _fill(raw: RawSample, s: SampleIndex, archive, limits: ReadLimits, ignored: 
     for m in (text_member, json_member):
         if m is not None and m.size > limits.max_text_bytes:
             raise _Rejected("text_too_long", f"{m.size} bytes > {limits.max_text_bytes}")
-    big = [m for m in images if m.size > limits.max_image_bytes]
+    big = [m for m in images + videos if m.size > limits.max_image_bytes]
     if big:
         raise _Rejected("image_file_too_large", f"{big[0].size} bytes")
 
@@ -345,6 +349,7 @@ def _fill(raw: RawSample, s: SampleIndex, archive, limits: ReadLimits, ignored: 
         return data
 
     raw.images = [(m.ext, read(m)) for m in sorted(images, key=lambda m: _image_order(m.ext))]
+    raw.videos = [(m.ext, read(m)) for m in sorted(videos, key=lambda m: _image_order(m.ext))]
     try:
         if text_member is not None:
             raw.text = read(text_member).decode("utf-8")

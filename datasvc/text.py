@@ -29,6 +29,18 @@ class _Image:
 IMAGE = _Image()
 
 
+class _Video:
+    """The place of the next video in a message's content."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "VIDEO"
+
+
+VIDEO = _Video()
+
+
 class SampleRejected(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -86,12 +98,15 @@ class ChatMLEncoder:
         text = _CONTROL.sub(lambda m: m.group(0).replace("<|", "< |"), text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode(self, messages: list[dict], image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``image_tokens[i]``: pad count of the i-th ``IMAGE`` part in reading order."""
+    def encode(self, messages: list[dict], image_tokens: list[int],
+               video_spans: "list[list[int]] | tuple" = ()) -> tuple[np.ndarray, np.ndarray]:
+        """``image_tokens[i]``: pad count of the i-th ``IMAGE`` part in reading order;
+        ``video_spans[i]``: the token ids of the i-th ``VIDEO`` part, whole (a pipeline builds them:
+        timestamps, pads, vision start and end), inserted unsupervised."""
         t = self.tokens
         ids: list[int] = []
         supervised: list[bool] = []
-        next_image = 0
+        next_image = next_video = 0
         for msg in messages:
             role = msg["role"]
             if role not in self._role_ids:
@@ -111,6 +126,14 @@ class ChatMLEncoder:
                 text = ""
                 if part is None:
                     break
+                if part is VIDEO:
+                    if role != "user" or next_video >= len(video_spans):
+                        raise SampleRejected("video_count_mismatch", f"a video place in a {role} turn, "
+                                             f"{len(video_spans)} videos")
+                    ids += video_spans[next_video]
+                    supervised += [False] * len(video_spans[next_video])
+                    next_video += 1
+                    continue
                 if part is not IMAGE:
                     raise SampleRejected("bad_conversation", f"content part {part!r} is neither text nor an image")
                 if role != "user":
@@ -125,6 +148,8 @@ class ChatMLEncoder:
             supervised += [is_reply]
             ids += self._newline
             supervised += [False] * len(self._newline)
+        if next_video != len(video_spans):
+            raise SampleRejected("video_count_mismatch", f"{len(video_spans)} videos, {next_video} video places")
         if next_image != len(image_tokens):
             raise SampleRejected("image_count_mismatch", f"{len(image_tokens)} images, {next_image} image places")
         if not any(supervised):

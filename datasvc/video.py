@@ -73,6 +73,23 @@ def _reject_open(exc: Exception) -> ImageRejected:
     return ImageRejected("video_truncated" if cut else "video_corrupt", f"{type(exc).__name__}: {text}"[:200])
 
 
+def _iso_cut(data: bytes) -> bool:
+    """An MP4/MOV (ISO boxes from the first byte) whose top-level boxes run past the end."""
+    if data[4:8] not in (b"ftyp", b"wide", b"free", b"mdat", b"moov"):
+        return False
+    pos = 0
+    while pos + 8 <= len(data):
+        size = int.from_bytes(data[pos:pos + 4], "big")
+        if size == 1 and pos + 16 <= len(data):
+            size = int.from_bytes(data[pos + 8:pos + 16], "big")
+        if size == 0:  # the last box, to the end of the file
+            return False
+        if size < 8 or pos + size > len(data):
+            return True
+        pos += size
+    return pos != len(data)
+
+
 def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
     """Codec, size, frame count and rate from the container alone; ``ImageRejected`` (a counted
     reason) for what no decoder should be handed."""
@@ -80,6 +97,8 @@ def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
 
     if not data:
         raise ImageRejected("video_empty", "zero-length video member")
+    if _iso_cut(data):
+        raise ImageRejected("video_truncated", "an MP4 box runs past the end of the file")
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except Exception as exc:
@@ -94,6 +113,7 @@ def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
             raise ImageRejected("video_unsupported_codec", f"codec {codec}")
         width, height = stream.codec_context.width, stream.codec_context.height
         rate = stream.average_rate or stream.guessed_rate
+        declared = container.duration / 1e6 if container.duration else None  # microseconds
         try:
             packets = [(p.pts, p.duration, p.pos, p.size) for p in container.demux(stream) if p.size > 0]
         except Exception as exc:
@@ -108,6 +128,9 @@ def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
         raise ImageRejected("video_corrupt", "no frame rate in the container")
     header = VideoHeader(codec, width, height, len(packets), float(rate))
     _check_constant_rate(packets, spec.max_frame_rate_spread if spec else 0.05)
+    if declared and header.duration < 0.9 * declared - 1 / header.fps:
+        raise ImageRejected("video_truncated", f"{header.frames} frames ({header.duration:.2f} s) of a "
+                            f"{declared:.2f} s video")
     return header
 
 
@@ -320,3 +343,42 @@ class VideoDecoder:
             timer("decode", t1 - t0, sum(len(p.indices) for p in plans))
             timer("preprocess", time.perf_counter() - t1, sum(len(p.indices) for p in plans))
         return out
+
+
+def decode_sample_videos(raws: list, problems: list, vision: VisionSpec, spec: VideoSpec | None,
+                         decoder_for, timer: Timer | None = None) -> dict[int, list[tuple[np.ndarray, VideoPlan]]]:
+    """Every live sample's videos, planned from their containers (the caps checked there) and then
+    decoded together; a rejected video rejects its sample (``problems[si]``). ``decoder_for()``
+    gives the ``VideoDecoder``, built only when a video is there to decode."""
+    t0 = time.perf_counter()
+    plans: dict[int, list[VideoPlan]] = {}
+    for si, raw in enumerate(raws):
+        if problems[si] is not None or not getattr(raw, "videos", None):
+            continue
+        if spec is None:
+            problems[si] = ("video_not_supported", "this pipeline takes no video", "decode")
+            continue
+        try:
+            mine = [plan_video(data, vision, spec) for _ext, data in raw.videos]
+            check_sample_videos(mine, spec)
+            plans[si] = mine
+        except ImageRejected as exc:
+            problems[si] = (exc.reason, exc.detail, "decode")
+        except Exception as exc:  # whatever a container does, it costs its sample alone
+            problems[si] = ("video_corrupt", f"{type(exc).__name__}: {exc}"[:200], "decode")
+    if timer:
+        timer("decode", time.perf_counter() - t0, 0)
+    if not plans:
+        return {}
+    flat = [(si, plan) for si, mine in plans.items() for plan in mine]
+    rows = decoder_for().to_pixel_rows([plan for _, plan in flat], vision, timer)
+    out: dict[int, list] = {}
+    for (si, plan), res in zip(flat, rows):
+        if problems[si] is not None:
+            continue
+        if isinstance(res, ImageRejected):
+            problems[si] = (res.reason, res.detail, "decode")
+            out.pop(si, None)
+        else:
+            out.setdefault(si, []).append((res, plan))
+    return out

@@ -3,7 +3,10 @@ transformers Qwen3-VL processor on the same decoded frames. Clips are real photo
 encoded by FFmpeg's encoders through PyAV (libvpx-vp9, MJPEG, libx264)."""
 from __future__ import annotations
 
+import functools
 import io
+import json
+import tarfile
 
 import numpy as np
 import pytest
@@ -16,9 +19,13 @@ from datasvc.video import (VideoDecoder, VideoSpec, group_timestamps, plan_video
 from datasvc.vision import ImageRejected  # noqa: E402
 
 
+@functools.lru_cache(maxsize=1)
+def _photos() -> dict[str, np.ndarray]:
+    return {n: (i if i.ndim == 3 else np.repeat(i[..., None], 3, axis=2))[..., :3] for n, i, _ in real_photos()}
+
+
 def _photo(name: str) -> np.ndarray:
-    img = next(i for n, i, _ in real_photos() if n == name)
-    return img if img.ndim == 3 else np.repeat(img[..., None], 3, axis=2)
+    return _photos()[name]
 
 
 def pan_zoom(photo: np.ndarray, frames: int, size: tuple[int, int]) -> list[np.ndarray]:
@@ -36,14 +43,24 @@ def pan_zoom(photo: np.ndarray, frames: int, size: tuple[int, int]) -> list[np.n
 
 
 def encode_clip(frames: list[np.ndarray], fps: int, codec: str = "libvpx-vp9", fmt: str = "webm",
-                audio: bool = False) -> bytes:
+                pts: list[int] | None = None) -> bytes:
+    """Frames encoded by a real FFmpeg encoder; ``pts`` (in 1/1000 s) for a variable frame rate."""
+    from fractions import Fraction
+
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as c:
         s = c.add_stream(codec, rate=fps)
         s.height, s.width = frames[0].shape[:2]
-        s.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+        s.pix_fmt = {"mjpeg": "yuvj420p", "ffv1": "yuv444p"}.get(codec, "yuv420p")
+        if codec.startswith("libvpx"):
+            s.options = {"deadline": "realtime", "cpu-used": "8"}
+        if pts is not None:
+            s.codec_context.time_base = Fraction(1, 1000)
+        for k, f in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(f, format="rgb24")
+            if pts is not None:
+                frame.pts, frame.time_base = pts[k], Fraction(1, 1000)
+            for p in s.encode(frame):
                 c.mux(p)
         for p in s.encode():
             c.mux(p)
@@ -66,6 +83,7 @@ def audio_only(seconds: float = 0.5) -> bytes:
 
 
 SPEC = VideoSpec(fps=2, min_frames=4, max_frames=768, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768)
+VS, VE, VIDEO_PAD, IMAGE_PAD = 151652, 151653, 151656, 151655
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +94,247 @@ def clips() -> dict[str, bytes]:
         "mjpeg": encode_clip(pan_zoom(coffee, 13, (112, 160)), fps=6, codec="mjpeg", fmt="matroska"),
         "h264": encode_clip(pan_zoom(astro, 12, (96, 128)), fps=12, codec="libx264", fmt="mp4"),
     }
+
+
+@pytest.fixture(scope="module")
+def vision():
+    from datasvc.vision import VisionSpec
+
+    return VisionSpec()
+
+
+@pytest.fixture(scope="module")
+def video_decoder():
+    return VideoDecoder(device_id=None)
+
+
+def test_the_pipeline_samples_as_the_processor_does(qwen3vl):
+    from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
+
+    hf = Qwen3VLVideoProcessor()
+    assert qwen3vl.video == SPEC
+    assert (hf.fps, hf.min_frames, hf.max_frames) == (SPEC.fps, SPEC.min_frames, SPEC.max_frames)
+    assert (hf.size["shortest_edge"], hf.size["longest_edge"]) == (SPEC.min_pixels, SPEC.max_pixels)
+
+
+@pytest.mark.parametrize("total,fps", [(25, 10.0), (13, 6.0), (3, 30.0), (7, 30.0), (300, 29.97), (9000, 25.0),
+                                       (100000, 60.0), (48, 24.0), (61, 2.0), (5, 1.0)])
+def test_frame_choice_and_timestamps_match_transformers(total, fps):
+    from transformers.models.qwen3_vl import Qwen3VLProcessor, Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    hf = Qwen3VLVideoProcessor()
+    expected = hf.sample_frames(VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps))
+    ours = sample_frame_indices(total, fps, SPEC)
+    assert ours.tolist() == expected.tolist()
+    hf_stamps = Qwen3VLProcessor._calculate_timestamps(None, expected, fps, 2)
+    assert [f"<{t:.1f} seconds>" for t in group_timestamps(ours, fps, 2)] == [f"<{t:.1f} seconds>" for t in hf_stamps]
+
+
+@pytest.mark.parametrize("frames", [1, 4, 5, 48, 768])
+@pytest.mark.parametrize("hw", [(32, 32), (96, 128), (240, 427), (720, 1280), (1080, 1920), (2160, 3840), (33, 4000)])
+def test_smart_resize_over_frames_matches_transformers(frames, hw, vision):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    expected = smart_resize(frames, *hw, temporal_factor=2, factor=32, min_pixels=SPEC.min_pixels,
+                            max_pixels=SPEC.max_pixels)
+    assert video_target_size(frames, *hw, vision, SPEC) == expected
+
+
+def test_probe_reads_the_container_alone(clips):
+    assert probe_video(clips["vp9"], SPEC) == probe_video(clips["vp9"])
+    vp9, mjpeg, h264 = (probe_video(clips[k], SPEC) for k in ("vp9", "mjpeg", "h264"))
+    assert (vp9.codec, vp9.width, vp9.height, vp9.frames, vp9.fps) == ("vp9", 128, 96, 25, 10.0)
+    assert (mjpeg.codec, mjpeg.width, mjpeg.height, mjpeg.frames, mjpeg.fps) == ("mjpeg", 160, 112, 13, 6.0)
+    assert (h264.codec, h264.frames, h264.fps, h264.duration) == ("h264", 12, 12.0, 1.0)
+
+
+def test_only_the_sampled_frames_are_decoded_and_they_are_the_stream_frames(clips, vision, video_decoder):
+    import dataclasses
+
+    plan = plan_video(clips["vp9"], vision, SPEC)
+    assert plan.indices == (0, 6, 12, 18, 24) and plan.grid == (3, 10, 12)
+    everything = dataclasses.replace(plan, indices=tuple(range(plan.header.frames)))
+    sampled, full = video_decoder._dali([plan, everything])
+    assert sampled.shape == (5, 96, 128, 3) and full.shape == (25, 96, 128, 3)
+    assert np.array_equal(sampled, full[list(plan.indices)])  # seeking lands on the same frames
+    with av.open(io.BytesIO(clips["vp9"])) as c:  # FFmpeg's own decode of those frames, to RGB
+        ref = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    for k, i in enumerate(plan.indices):
+        assert np.abs(sampled[k].astype(int) - ref[i]).mean() < 4  # YUV->RGB conversions differ a little
+    rows = video_decoder.to_pixel_rows([plan], vision)[0]
+    assert rows.shape == (6 * 10 * 12, 768)  # 5 frames padded to 6 with the last
+
+
+def _hf_processor():
+    import os
+
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl import Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    from datasvc.text import bundled_qwen3_tokenizer_dir
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(bundled_qwen3_tokenizer_dir(), "tokenizer.json"))
+    image = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                  image_std=[0.5] * 3, min_pixels=65536, max_pixels=16777216)
+    return Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=Qwen3VLVideoProcessor())
+
+
+# Qwen3-VL-Instruct's chat template for what these samples use (see tests/test_formats.py), with its
+# video part: one "<|vision_start|><|video_pad|><|vision_end|>" that the processor expands.
+TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}")
+
+CONVERSATION = {"messages": [
+    {"role": "user", "content": [{"type": "text", "text": "First "}, {"type": "video"},
+                                 {"type": "text", "text": " then "}, {"type": "video"},
+                                 {"type": "text", "text": "\nWhat moves?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "The camera pans right."}]}]}
+
+
+def test_tokens_grids_and_pixels_match_the_transformers_processor(clips, qwen3vl, vision, video_decoder):
+    """On the same decoded frames (all of each video's frames, decoded by DALI, for the processor to
+    sample itself): identical frame indices, grids, token ids (timestamps and pads), and pixels."""
+    import dataclasses
+
+    import torch
+    from transformers.video_utils import VideoMetadata
+
+    from datasvc.shards import RawSample
+
+    names = ("vp9", "mjpeg")
+    plans = [plan_video(clips[k], vision, qwen3vl.video) for k in names]
+    full = video_decoder._dali([dataclasses.replace(p, indices=tuple(range(p.header.frames))) for p in plans])
+    proc = _hf_processor()
+    text = proc.tokenizer.apply_chat_template(CONVERSATION["messages"], chat_template=TEMPLATE, tokenize=False)
+    meta = [VideoMetadata(total_num_frames=p.header.frames, fps=p.header.fps, duration=p.header.duration) for p in plans]
+    hf = proc(text=[text], videos=[torch.from_numpy(f).permute(0, 3, 1, 2) for f in full], video_metadata=meta,
+              do_sample_frames=True, return_tensors="pt", return_metadata=True)
+    assert [list(m.frames_indices) for m in hf["video_metadata"]] == [list(p.indices) for p in plans]
+    assert hf["video_grid_thw"].tolist() == [list(p.grid) for p in plans]
+
+    ids, labels = qwen3vl.encode(RawSample("s", "k", [], None, CONVERSATION), [], plans)
+    assert ids.tolist() == hf["input_ids"][0].tolist()
+    assert int((ids == VIDEO_PAD).sum()) == sum(qwen3vl.video_spans.vision_tokens(p.grid) for p in plans)
+    decoded = qwen3vl.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+    assert "<|vision_start|><0.3 seconds><|vision_start|><|video_pad|>" in decoded
+    assert "<2.4 seconds><|vision_start|>" in decoded and "<|vision_end|><|vision_end|> then " in decoded
+
+    rows = video_decoder.to_pixel_rows(plans, vision)
+    ours = to_video_pixel_values(np.concatenate(rows), vision, [p.grid for p in plans])
+    theirs = hf["pixel_values_videos"].numpy()
+    assert ours.shape == theirs.shape
+    assert float(np.abs(ours - theirs).mean()) <= 0.02
+
+
+def write_tar(path, members) -> str:
+    with tarfile.open(str(path), "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def _run(path, pipeline, decoder=None):
+    from datasvc.decode import CpuDecoder
+    from datasvc.process import WorkItem, process_item
+    from datasvc.shards import index_shard
+
+    idx = index_shard(path)
+    res = process_item(WorkItem(path, 0, tuple(idx.samples)), pipeline, decoder or CpuDecoder())
+    acct = res.accounting
+    acct.delivered = len(res.samples)
+    assert acct.balanced(), acct.as_dict()
+    return res, {r.key: r.reason for r in acct.log}
+
+
+def _llava(text: str) -> bytes:
+    return json.dumps({"conversations": [{"from": "human", "value": f"<video>\n{text}"},
+                                         {"from": "gpt", "value": "A slow pan."}]}).encode()
+
+
+def test_video_shards_become_samples_and_bad_videos_are_counted(tmp_path, clips, qwen3vl, vision, cpu_decoder):
+    """Caption, LLaVA <video> and OpenAI video-part samples, one mixed with a photo; and every kind of
+    bad video rejected with its reason while the run goes on."""
+    from datasvc.samples import encode_image
+
+    astro = _photo("astronaut")
+    vfr = encode_clip(pan_zoom(astro, 10, (96, 128)), fps=10, codec="libvpx-vp9", fmt="matroska",
+                      pts=[0, 100, 200, 300, 700, 800, 900, 1400, 1500, 1600])
+    members = [
+        ("cap.webm", clips["vp9"]), ("cap.txt", b"A camera pans across a portrait."),
+        ("llava.mkv", clips["mjpeg"]), ("llava.json", _llava("What happens?")),
+        ("mixed.jpg", encode_image(_photo("chelsea"))), ("mixed.mkv", clips["mjpeg"]),
+        ("mixed.json", json.dumps({"messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}]},
+            {"role": "assistant", "content": "A cat, then a coffee cup."}]}).encode()),
+        ("empty.webm", b""), ("empty.txt", b"zero bytes"),
+        ("cut.mp4", clips["h264"][: len(clips["h264"]) // 2]), ("cut.txt", b"cut in half"),
+        ("cutwebm.webm", clips["vp9"][: len(clips["vp9"]) // 3]), ("cutwebm.txt", b"cut webm"),
+        ("junk.mkv", b"\x1aE\xdf\xa3" + bytes(range(256)) * 4), ("junk.txt", b"not a container"),
+        ("audio.webm", audio_only()), ("audio.txt", b"sound only"),
+        ("ffv1.mkv", encode_clip(pan_zoom(astro, 4, (64, 64)), fps=4, codec="ffv1", fmt="matroska")),
+        ("ffv1.txt", b"a codec no decoder here takes"),
+        ("h264.mp4", clips["h264"]), ("h264.txt", b"H.264 needs NVDEC"),
+        ("vfr.mkv", vfr), ("vfr.txt", b"frames at irregular times"),
+        ("count.mkv", clips["mjpeg"]), ("count.json", _llava("<video> twice?")),
+    ]
+    res, reasons = _run(write_tar(tmp_path / "videos.tar", members), qwen3vl, cpu_decoder)
+    assert reasons == {"empty": "video_empty", "cut": "video_truncated", "cutwebm": "video_truncated",
+                       "junk": "video_corrupt", "audio": "video_no_video_stream",
+                       "ffv1": "video_unsupported_codec", "h264": "video_codec_needs_gpu",
+                       "vfr": "video_variable_frame_rate", "count": "video_count_mismatch"}
+    by_key = {s.key: s for s in res.samples}
+    assert sorted(by_key) == ["cap", "llava", "mixed"]
+    assert by_key["cap"].video_grid_thw.tolist() == [[3, 10, 12]] and by_key["cap"].video_pixels.shape == (720, 768)
+    mixed = by_key["mixed"]
+    assert len(mixed.image_grid_thw) == 1 and mixed.video_grid_thw.tolist() == [[2, 10, 14]]
+    assert mixed.vision_patches == mixed.num_patches + 2 * 10 * 14
+    ids = mixed.input_ids
+    first_image, first_video = np.flatnonzero(ids == IMAGE_PAD)[0], np.flatnonzero(ids == VIDEO_PAD)[0]
+    assert first_image < first_video and int((ids == VIDEO_PAD).sum()) == 2 * 10 * 14 // 4
+    assert np.all(mixed.labels[ids == VIDEO_PAD] == -100)
+    text = qwen3vl.tokenizer.decode(by_key["llava"].input_ids.tolist(), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\n<|vision_start|><0.3 seconds><|vision_start|><|video_pad|>")
+    assert "<1.7 seconds>" in text and "<|vision_end|><|vision_end|>\nWhat happens?<|im_end|>" in text
+
+
+def test_caps_on_frames_times_pixels_apply_before_decode(tmp_path, clips):
+    from datasvc.registry import get_pipeline
+
+    tight = get_pipeline("qwen3vl", video_max_decode_frame_pixels=4 * 160 * 112)  # one 4-frame mjpeg clip
+    members = [("one.mkv", clips["mjpeg"]), ("one.txt", b"four frames"),
+               ("two.0.mkv", clips["mjpeg"]), ("two.1.mkv", clips["mjpeg"]), ("two.txt", b"two clips are more")]
+    res, reasons = _run(write_tar(tmp_path / "caps.tar", members), tight)
+    assert [s.key for s in res.samples] == ["one"] and reasons == {"two": "video_too_large"}
+
+
+def test_packed_batches_carry_videos_and_balance_their_patches(tmp_path, clips, qwen3vl, vision):
+    from datasvc.packing import PackingConfig, pack
+
+    members = [("a.webm", clips["vp9"]), ("a.txt", b"A pan."), ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup."),
+               ("c.webm", clips["vp9"]), ("c.txt", b"A pan again."), ("d.mkv", clips["mjpeg"]), ("d.txt", b"A cup again.")]
+    res, reasons = _run(write_tar(tmp_path / "pack.tar", members), qwen3vl)
+    assert not reasons
+    # One sample a row, two rows a micro-batch: the packer balances the rows by vision patches.
+    cfg = PackingConfig(seq_len=max(s.num_tokens for s in res.samples), micro_batch_size=2, pad_id=qwen3vl.pad_id)
+    batches, too_long = pack(res.samples, cfg, vision.patch_dim)
+    assert not too_long and len(batches) == 2
+    grids = np.concatenate([b.video_grid_thw for b in batches])
+    assert sorted(map(tuple, grids.tolist())) == [(2, 10, 14)] * 2 + [(3, 10, 12)] * 2
+    for b in batches:  # pads in the tokens = the grids' vision tokens; rows = frames' patches
+        patches = int(np.prod(b.video_grid_thw, axis=1).sum())
+        assert patches == 360 + 280  # one clip of each kind in every micro-batch
+        assert int((b.tokens == VIDEO_PAD).sum()) == patches // 4
+        assert b.video_pixels.shape[0] == patches * 2
+        assert to_video_pixel_values(b.video_pixels, vision, b.video_grid_thw).shape == (patches, 1536)

@@ -14,6 +14,7 @@ from datasvc.shards import RawSample
 from datasvc.formats import sample_messages
 from datasvc.text import ChatMLEncoder, ChatTokens, load_tokenizer
 from datasvc.vision import VisionSpec
+from pipelines.qwen3vl import video as qwen3vl_video
 
 TOKENS = ChatTokens(
     im_start=151644,
@@ -34,6 +35,12 @@ class Qwen3VLOptions:
     tokenizer: str | None = None  # None: bundled Qwen3 tokenizer files; else a model id or path
     caption_prompt: str = ""
     exif_orientation: bool = True  # False: images as stored, their EXIF orientation ignored
+    video_fps: float = qwen3vl_video.FPS  # frames sampled a second of video
+    video_min_frames: int = qwen3vl_video.MIN_FRAMES
+    video_max_frames: int = qwen3vl_video.MAX_FRAMES
+    video_min_pixels: int = qwen3vl_video.MIN_PIXELS  # over frames x height x width
+    video_max_pixels: int = qwen3vl_video.MAX_PIXELS
+    video_max_decode_frame_pixels: int = 400_000_000  # sampled frames x stored pixels, per sample
 
 
 class Qwen3VLPipeline:
@@ -45,12 +52,19 @@ class Qwen3VLPipeline:
         self.vision = _vision(options)
         self.tokenizer = load_tokenizer(options.tokenizer)
         self.chat = ChatMLEncoder(self.tokenizer, TOKENS)
+        o = options
+        self.video = qwen3vl_video.video_spec(o.video_fps, o.video_min_frames, o.video_max_frames, o.video_min_pixels,
+                                              o.video_max_pixels, o.video_max_decode_frame_pixels)
+        self.video_spans = qwen3vl_video.VideoSpans(self.tokenizer, TOKENS.vision_start, TOKENS.vision_end,
+                                                    VIDEO_PAD, MERGE_SIZE)
 
-    def encode(self, raw: RawSample, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Any accepted sample shape (``datasvc.formats``) as Qwen3-VL ChatML."""
+    def encode(self, raw: RawSample, grids: list[tuple[int, int, int]], videos=()) -> tuple[np.ndarray, np.ndarray]:
+        """Any accepted sample shape (``datasvc.formats``) as Qwen3-VL ChatML. ``videos``: each
+        video's ``datasvc.video.VideoPlan`` (its grid and group timestamps), in member order."""
         image_tokens = [self.vision.vision_tokens(g) for g in grids]
-        messages = sample_messages(raw, len(grids), self.options.caption_prompt)
-        return self.chat.encode(messages, image_tokens)
+        spans = [self.video_spans.span(v.grid, v.timestamps) for v in videos]
+        messages = sample_messages(raw, len(grids), self.options.caption_prompt, len(spans))
+        return self.chat.encode(messages, image_tokens, spans)
 
 
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 16, 2, 2
