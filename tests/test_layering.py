@@ -113,7 +113,9 @@ def wrong_directions(house: House) -> list[str]:
 def cycles(house: House) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan). Lazy imports count: an
     import moved into a function to dodge a loop leaves the two modules depending on each other."""
-    graph = {m: {t for t in ts if t in house.modules and t != m} for m, ts in house.imports.items()}
+    # Importing a module runs its packages' __init__ first; that edge to an ancestor is how Python
+    # loads packages, not a dependency of the code, so it is left out.
+    graph = {m: {t for t in ts if t in house.modules and not _within(m, t)} for m, ts in house.imports.items()}
     index, low, stack, on_stack, out = {}, {}, [], set(), []
 
     def visit(v):
@@ -134,9 +136,7 @@ def cycles(house: House) -> list[list[str]]:
                 comp.append(w)
                 if w == v:
                     break
-            # A package's __init__ that re-exports its own modules is not a loop of the code.
-            real = [m for m in comp if not any(_within(o, m) and o != m for o in comp)]
-            if len(real) > 1:
+            if len(comp) > 1:
                 out.append(sorted(comp))
 
     for v in sorted(graph):
