@@ -236,25 +236,38 @@ def frames_to_rows(frames: np.ndarray, plan: VideoPlan, vision: VisionSpec) -> n
     return out.reshape(-1, vision.patch_dim)
 
 
-def to_video_pixel_values(rows: np.ndarray, vision: VisionSpec, grid_thw) -> np.ndarray:
-    """Concatenated video rows (``frames_to_rows``) -> normalized float32 ``pixel_values_videos``
+def to_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype=None):
+    """Concatenated video rows (``frames_to_rows``) -> normalized ``pixel_values_videos``
     [sum(t*h*w), 3*tps*P*P] in the processor's order: per temporal group, merge windows row-major,
-    the patches of a window, then channel, frame, patch pixels."""
+    the patches of a window, then channel, frame, patch pixels. Numpy in, float32 numpy out (or
+    ``dtype``); a torch tensor in, a tensor out on its device (float32 unless ``dtype``)."""
     p, m, tps = vision.patch_size, vision.merge_size, vision.temporal_patch_size
+    width = 3 * tps * p * p
     mean = np.asarray(vision.image_mean, np.float32).reshape(3, 1, 1, 1)
-    std = np.asarray(vision.image_std, np.float32).reshape(3, 1, 1, 1)
+    scale = (1 / (255.0 * np.asarray(vision.image_std, np.float32))).reshape(3, 1, 1, 1)
+    shift = mean / np.asarray(vision.image_std, np.float32).reshape(3, 1, 1, 1)
+    is_numpy = isinstance(rows, np.ndarray)
+    if not is_numpy:
+        import torch
+
+        scale, shift = (torch.as_tensor(a, device=rows.device) for a in (scale, shift))
     out, first = [], 0
     for t, gh, gw in np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3).tolist():
         count = t * tps * gh * gw
         x = rows[first:first + count].reshape(t, tps, gh // m, m, p, gw // m, m, p, 3)
-        # -> t, gh/m, gw/m, m, m, C, tps, P, P
-        x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).astype(np.float32)
-        x = (x * (1 / 255.0) - mean) / std
-        out.append(x.reshape(t * gh * gw, 3 * tps * p * p))
+        order = (0, 2, 5, 3, 6, 8, 1, 4, 7)  # -> t, gh/m, gw/m, m, m, C, tps, P, P
+        x = x.transpose(order).astype(np.float32) if is_numpy else x.permute(order).float()
+        out.append((x * scale - shift).reshape(t * gh * gw, width))
         first += count
     if first != rows.shape[0]:
         raise ValueError(f"video_grid_thw covers {first} rows of {rows.shape[0]}")
-    return np.concatenate(out) if out else np.zeros((0, 3 * tps * p * p), np.float32)
+    if is_numpy:
+        values = np.concatenate(out) if out else np.zeros((0, width), np.float32)
+        return values if dtype is None else values.astype(dtype)
+    import torch
+
+    values = torch.cat(out) if out else torch.zeros((0, width), device=rows.device)
+    return values if dtype is None else values.to(dtype)
 
 
 class VideoDecoder:

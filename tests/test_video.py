@@ -96,6 +96,11 @@ def clips() -> dict[str, bytes]:
     }
 
 
+def test_mov_is_read_as_mp4(qwen3vl):
+    clip = encode_clip(pan_zoom(_photo("rocket"), 8, (64, 96)), fps=8, codec="libx264", fmt="mov")
+    assert probe_video(clip, SPEC).frames == 8
+
+
 @pytest.fixture(scope="module")
 def vision():
     from datasvc.vision import VisionSpec
@@ -338,3 +343,93 @@ def test_packed_batches_carry_videos_and_balance_their_patches(tmp_path, clips, 
         assert int((b.tokens == VIDEO_PAD).sum()) == patches // 4
         assert b.video_pixels.shape[0] == patches * 2
         assert to_video_pixel_values(b.video_pixels, vision, b.video_grid_thw).shape == (patches, 1536)
+
+
+def test_pixel_values_are_the_same_from_numpy_and_torch(clips, vision, video_decoder):
+    import torch
+
+    plans = [plan_video(clips[k], vision, SPEC) for k in ("vp9", "mjpeg")]
+    rows = np.concatenate(video_decoder.to_pixel_rows(plans, vision))
+    grids = [p.grid for p in plans]
+    ours = to_video_pixel_values(rows, vision, grids)
+    theirs = to_video_pixel_values(torch.from_numpy(rows), vision, grids, dtype=torch.bfloat16)
+    assert theirs.dtype == torch.bfloat16 and theirs.shape == ours.shape
+    assert float((theirs.float() - torch.from_numpy(ours)).abs().max()) < 0.01
+
+
+def test_the_cpu_model_trains_on_packed_image_and_video_samples(tmp_path, clips, qwen3vl, vision, cpu_decoder):
+    """Packed rows split back into samples with their own video patches; the tiny real Qwen3-VL
+    (transformers) takes each sample's tokens, grids and pixel_values_videos and gives a finite loss."""
+    import torch
+
+    from datasvc.packing import PackingConfig, pack
+    from datasvc.samples import encode_image
+    from datasvc.vision import to_pixel_values
+    from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
+    from trainer.cpu_backend import sample_loss, split_samples
+
+    members = [("a.webm", clips["vp9"]), ("a.txt", b"A pan."), ("b.jpg", encode_image(_photo("coffee"))),
+               ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup, twice."), ("c.jpg", encode_image(_photo("chelsea"))),
+               ("c.txt", b"A cat.")]
+    res, reasons = _run(write_tar(tmp_path / "train.tar", members), qwen3vl, cpu_decoder)
+    assert not reasons
+    (b,), _ = pack(res.samples, PackingConfig(seq_len=4096, micro_batch_size=1, pad_id=qwen3vl.pad_id), 768)
+    assert b.num_samples.tolist() == [3]
+    t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
+         ("tokens", "labels", "cu_seqlens", "num_samples", "image_grid_thw", "video_grid_thw")}
+    t["pixel_values"] = torch.from_numpy(to_pixel_values(b.pixels, vision, b.image_grid_thw))
+    t["pixel_values_videos"] = torch.from_numpy(to_video_pixel_values(b.video_pixels, vision, b.video_grid_thw))
+    parts = split_samples(t)
+    by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
+    model = build_model(CpuModelConfig(), seed=0)
+    for part, key in zip(parts, b.sample_keys):
+        s = by_key[key]
+        assert part["input_ids"].tolist() == s.input_ids.tolist()
+        assert part.get("video_grid_thw", torch.zeros((0, 3))).tolist() == s.video_grid_thw.tolist()
+        if len(s.video_grid_thw):
+            expected = to_video_pixel_values(s.video_pixels, vision, s.video_grid_thw)
+            assert np.array_equal(part["pixel_values_videos"].numpy(), expected)
+        with torch.no_grad():
+            loss, n = sample_loss(model, part)
+        assert n > 0 and torch.isfinite(loss)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_nvdec_decodes_the_sampled_frames_of_every_codec(clips, vision, video_decoder):
+    """The mixed backend takes H.264 (which the CPU decoder refuses) and gives the CPU decoder's
+    frames for VP9 and MJPEG up to the YUV->RGB conversion; pixel values on the GPU match."""
+    import torch
+
+    gpu = VideoDecoder(device_id=0)
+    plans = {k: plan_video(clips[k], vision, SPEC) for k in ("vp9", "mjpeg", "h264")}
+    rows = dict(zip(plans, gpu.to_pixel_rows(list(plans.values()), vision)))
+    assert all(isinstance(r, np.ndarray) for r in rows.values()), rows
+    assert rows["h264"].shape == (2 * 2 * 10 * 14, 768)
+    for k in ("vp9", "mjpeg"):
+        cpu = video_decoder.to_pixel_rows([plans[k]], vision)[0]
+        assert np.abs(cpu.astype(int) - rows[k]).mean() < 3
+    values = to_video_pixel_values(torch.from_numpy(rows["h264"]).cuda(), vision, [plans["h264"].grid])
+    assert values.is_cuda and values.shape == (2 * 10 * 14, 1536)
+    assert np.abs(values.cpu().numpy() - to_video_pixel_values(rows["h264"], vision, [plans["h264"].grid])).max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_h264_samples_go_through_the_gpu_video_decoder(tmp_path, clips, qwen3vl, cpu_decoder):
+    members = [("a.mp4", clips["h264"]), ("a.txt", b"H.264 on NVDEC"), ("b.mov", clips["h264"]), ("b.txt", b"in a mov")]
+    path = write_tar(tmp_path / "h264.tar", members)
+    from datasvc.process import WorkItem, process_item
+    from datasvc.shards import index_shard
+
+    gpu = VideoDecoder(device_id=0)
+    res = process_item(WorkItem(path, 0, tuple(index_shard(path).samples)), qwen3vl, cpu_decoder,
+                       video_decoder=lambda: gpu)
+    assert [s.key for s in res.samples] == ["a", "b"] and not res.accounting.log
+    assert all(s.video_grid_thw.tolist() == [[2, 10, 14]] for s in res.samples)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from datasvc.batch import IGNORE_INDEX
-from pipelines.qwen3vl import TOKENS
+from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
 
 log = logging.getLogger("vlmfeed.trainer.cpu")
@@ -25,27 +25,45 @@ log = logging.getLogger("vlmfeed.trainer.cpu")
 IMAGE_PAD = TOKENS.image_pad
 
 
+def _runs(ids: torch.Tensor, token: int) -> int:
+    """How many runs of ``token`` the ids hold (one per image; one per temporal group of a video)."""
+    return int(((ids[1:] == token) & (ids[:-1] != token)).sum() + int(ids[0] == token))
+
+
 def split_samples(batch: dict) -> list[dict]:
-    """Packed rows -> one dict per sample with its own tokens, labels and image patches."""
+    """Packed rows -> one dict per sample with its own tokens, labels, image and video patches."""
     grids = batch["image_grid_thw"]
     patch_counts = (grids.prod(dim=1)).tolist() if len(grids) else []
-    image_i, patch_off = 0, 0
+    video_grids = batch.get("video_grid_thw", torch.zeros((0, 3), dtype=torch.int64))
+    video_thw = video_grids.tolist()
+    image_i, patch_off, video_i, video_off = 0, 0, 0, 0
     samples = []
     for r in range(batch["tokens"].shape[0]):
         cu = batch["cu_seqlens"][r]
         for j in range(int(batch["num_samples"][r])):
             s, e = int(cu[j]), int(cu[j + 1])
             ids = batch["tokens"][r, s:e]
-            n_img = int(((ids[1:] == IMAGE_PAD) & (ids[:-1] != IMAGE_PAD)).sum() + int(ids[0] == IMAGE_PAD))
+            n_img = _runs(ids, IMAGE_PAD)
             n_patch = sum(patch_counts[image_i:image_i + n_img])
-            samples.append({
+            groups, n_vid = _runs(ids, VIDEO_PAD), 0
+            while groups > 0 and video_i + n_vid < len(video_thw):
+                groups -= video_thw[video_i + n_vid][0]
+                n_vid += 1
+            n_vpatch = sum(t * h * w for t, h, w in video_thw[video_i:video_i + n_vid])
+            sample = {
                 "input_ids": ids,
                 "labels": batch["labels"][r, s:e],
                 "pixel_values": batch["pixel_values"][patch_off:patch_off + n_patch],
                 "image_grid_thw": grids[image_i:image_i + n_img],
-            })
+            }
+            if n_vid:
+                sample["pixel_values_videos"] = batch["pixel_values_videos"][video_off:video_off + n_vpatch]
+                sample["video_grid_thw"] = video_grids[video_i:video_i + n_vid]
+            samples.append(sample)
             image_i += n_img
             patch_off += n_patch
+            video_i += n_vid
+            video_off += n_vpatch
     return samples
 
 
@@ -54,8 +72,11 @@ def sample_loss(model, sample: dict) -> tuple[torch.Tensor, int]:
     ids = sample["input_ids"].unsqueeze(0)
     kwargs = {}
     if len(sample["image_grid_thw"]):
-        kwargs = dict(pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
-                      mm_token_type_ids=(ids == IMAGE_PAD).long())
+        kwargs = dict(pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"])
+    if "video_grid_thw" in sample:
+        kwargs.update(pixel_values_videos=sample["pixel_values_videos"], video_grid_thw=sample["video_grid_thw"])
+    if kwargs:  # 1 on image pads, 2 on video pads, as the processor marks them
+        kwargs["mm_token_type_ids"] = (ids == IMAGE_PAD).long() + 2 * (ids == VIDEO_PAD).long()
     labels = sample["labels"]
     keep = torch.nonzero(labels != IGNORE_INDEX).flatten()
     # Project only supervised positions onto the 152k vocabulary: most of a VLM row is image pads.

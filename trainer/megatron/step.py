@@ -50,13 +50,17 @@ class PackedForwardStep:
         )
         grid = batch.get("image_grid_thw")
         has_images = grid is not None and grid.numel() > 0
-        position_ids = mrope_position_ids(packed, grid if has_images else None, config.spatial_merge_size)
+        videos = batch.get("video_grid_thw")
+        has_videos = videos is not None and videos.numel() > 0
+        position_ids = mrope_position_ids(packed, grid if has_images else None, config.spatial_merge_size,
+                                          videos if has_videos else None)
 
         # Megatron-Bridge FLOP accounting: Σ s_i² over real segments for attention, vision patches for the ViT.
+        patches = (grid.prod(dim=-1).sum() if has_images else 0) + (videos.prod(dim=-1).sum() if has_videos else 0)
         accumulate_flops_metadata(
             state, packed.tokens, vp_stage=get_model_chunk_vp_stage(model),
             cu_seqlens=packed.cu_seqlens_padded, cu_seqlens_unpadded=packed.cu_seqlens,
-            num_vision_patches=grid.prod(dim=-1).sum() if has_images else None,
+            num_vision_patches=patches if has_images or has_videos else None,
         )
 
         output = model(
@@ -68,6 +72,8 @@ class PackedForwardStep:
             packed_seq_params=packed.params,
             pixel_values=batch["pixel_values"] if has_images else None,
             image_grid_thw=grid if has_images else None,
+            pixel_values_videos=batch["pixel_values_videos"] if has_videos else None,
+            video_grid_thw=videos if has_videos else None,
         )
         rsm = state.cfg.rerun_state_machine
         loss_fn = _LossFn(packed.loss_mask, rsm.check_for_nan_in_loss, rsm.check_for_spiky_loss)
@@ -94,12 +100,17 @@ def to_stock_batch(batch: dict) -> dict:
     supervised = labels != IGNORE_INDEX
     grid = batch.get("image_grid_thw")
     has_images = grid is not None and grid.numel() > 0
+    videos = batch.get("video_grid_thw")
+    has_videos = videos is not None and videos.numel() > 0
     return {
         "tokens": batch["tokens"],
         "labels": torch.where(supervised, labels, torch.full_like(labels, PAD_ID)),
         "loss_mask": batch["loss_mask"].float() * supervised,
         "position_ids": None,  # the model computes MRoPE from input_ids and grids
         "attention_mask": None,
-        "visual_inputs": GenericVisualInputs(pixel_values=batch["pixel_values"], image_grid_thw=grid)
-        if has_images else None,
+        "visual_inputs": GenericVisualInputs(
+            pixel_values=batch["pixel_values"] if has_images else None, image_grid_thw=grid if has_images else None,
+            pixel_values_videos=batch.get("pixel_values_videos") if has_videos else None,
+            video_grid_thw=videos if has_videos else None)
+        if has_images or has_videos else None,
     }

@@ -147,13 +147,16 @@ def _round_up(x: int, m: int) -> int:
 
 
 def mrope_position_ids(packed: PackedTHD, image_grid_thw: torch.Tensor | None,
-                       spatial_merge_size: int = MERGE_SIZE) -> torch.Tensor:
+                       spatial_merge_size: int = MERGE_SIZE, video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """MRoPE positions [3, 1, T] restarted at every segment, via Megatron-Bridge's own Qwen3-VL rope
-    index (``get_rope_index`` walks the THD segments and consumes ``image_grid_thw`` in order)."""
+    index (``get_rope_index`` walks the THD segments and consumes ``image_grid_thw`` and
+    ``video_grid_thw`` in order; it splits a video's grid per temporal group, as its timestamps do)."""
     grid = image_grid_thw if image_grid_thw is not None and image_grid_thw.numel() else None
+    videos = video_grid_thw if video_grid_thw is not None and video_grid_thw.numel() else None
     position_ids, _ = get_rope_index(
         spatial_merge_size, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, packed.tokens,
-        image_grid_thw=grid, packed_seq_params=packed.params,
+        image_grid_thw=grid, video_grid_thw=None if videos is None else videos.clone(),
+        packed_seq_params=packed.params,
     )
     return position_ids
 
