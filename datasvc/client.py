@@ -234,7 +234,18 @@ class DataClient:
             "pixel_values": to_pixel_values(tensor(packed.pixels), self._spec, packed.image_grid_thw, dtype=dtype),
             "image_grid_thw": tensor(packed.image_grid_thw),
             "sample_keys": list(packed.sample_keys),
+            **self._videos(packed, tensor, dtype),
         }
+
+    def _videos(self, packed: PackedBatch, tensor, dtype) -> dict:
+        """``pixel_values_videos`` and ``video_grid_thw`` when the micro-batch holds videos."""
+        if not len(packed.video_grid_thw):
+            return {}
+        from datasvc.video import to_video_pixel_values
+
+        return {"pixel_values_videos": to_video_pixel_values(tensor(packed.video_pixels), self._spec,
+                                                             packed.video_grid_thw, dtype=dtype),
+                "video_grid_thw": tensor(packed.video_grid_thw)}
 
 
 class DataService:
