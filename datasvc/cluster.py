@@ -16,7 +16,7 @@ What ``connect`` does for the embedded cluster, and why:
   the cluster.
 
 With ``address`` (or RAY_ADDRESS, set by ``ray job submit``) this joins that cluster as it is
-configured, authentication included.
+configured, deciding token authentication by the rule ``ray start`` applies (``_join_auth``).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     address = address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"PYTHONPATH": _project_root() + os.pathsep + os.environ.get("PYTHONPATH", "")}}
     if address:
+        _join_auth()
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
     _loopback_node()
@@ -49,6 +50,18 @@ def local_auth_env() -> dict[str, str]:
     token = os.environ.get("VLMFEED_RAY_TOKEN") or secrets.token_hex(32)
     os.environ["VLMFEED_RAY_TOKEN"] = token
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
+def _join_auth() -> None:
+    """Decide token authentication as ``ray start`` did for the cluster: unless RAY_AUTH_MODE says,
+    tokens are on when a token is found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).
+    ``ray.init(address=...)`` alone leaves them off, so a ``ray start`` that found a token file (one an
+    earlier local run left) started a cluster that such a driver could not join."""
+    try:
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _use_auth_env(env: dict[str, str]) -> None:

@@ -82,3 +82,54 @@ def test_embedded_job_listens_on_loopback_only_whatever_the_token_file_holds(tmp
 def test_loopback_check_itself():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
     assert not any(is_loopback(ip) for ip in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1"))
+
+
+JOIN = r"""
+import os, sys
+import ray
+from datasvc.cluster import connect
+
+connect(sys.argv[1])
+print("RESULT", ray.get(ray.remote(lambda: os.getpid()).remote()) > 0)
+ray.shutdown()
+"""
+
+
+def test_a_driver_joins_a_cluster_that_ray_start_gave_the_token_file(tmp_path):
+    """``ray start`` with a token in ~/.ray/auth_token (here junk, left by another run) starts a
+    cluster that wants it; a driver joining with connect(address) agrees with it."""
+    import signal
+    import socket
+    import time
+
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("junk-token-left-by-another-cluster\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "VLMFEED_RAY_TOKEN"))}
+    env.update(HOME=str(home), PYTHONPATH=REPO, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="vj", dir="/tmp")
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             "--include-dashboard=false", "--num-cpus=1", f"--temp-dir={temp}"], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(60):  # the GCS comes up after a few seconds
+            proc = subprocess.run([sys.executable, "-c", JOIN, f"127.0.0.1:{port}"], env=env, cwd=REPO,
+                                  capture_output=True, text=True, timeout=300)
+            if "RESULT" in proc.stdout or "Authentication" in proc.stderr:
+                break
+            time.sleep(2)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(head.pid, sig)
+                head.wait(timeout=30)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        shutil.rmtree(temp, ignore_errors=True)
+    assert "RESULT True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
