@@ -4,8 +4,9 @@ How to read them (after SPDL's ``TaskPerfStats`` and ``QueuePerfStats``):
 
 - ``StageStats``: ``seconds`` is the time spent in the stage summed over every actor (so it can
   exceed the wall clock), ``count`` the samples (images, micro-batches) it handled, ``failures`` the
-  samples it rejected. ``p50_s``/``p90_s``/``p99_s`` are per-sample times: a p99 far above the p50
-  points at a few large or slow inputs rather than a slow stage.
+  samples it rejected. ``p50_s``/``p90_s``/``p99_s`` are per-sample times (each call's time over
+  the samples it handled, so a batched call gives its mean to each): a p99 far above the p50 points
+  at a few large or slow inputs rather than a slow stage.
 - ``QueueStats``: ``occupancy_rate`` is the share of time the queue held at least one item. Close
   to 0, consumers wait for data (the producer is the bottleneck); close to 1 with
   ``full_rate`` close to 1, the producer waits for consumers (data is not the bottleneck).

@@ -126,7 +126,8 @@ def test_failure_budget_stops_the_run_naming_the_top_reasons(tmp_path, photos):
     bad = [(f"b{i:02d}", [b"not an image"]) for i in range(6)]
     good = [(f"g{i:02d}", [photos[i % len(photos)]]) for i in range(2)]
     shard = write_shard(tmp_path / "mostly-bad.tar", good[:1] + bad + good[1:])
-    with pytest.raises(DataServiceError, match=r"5 samples in a row were rejected \(max_consecutive_rejections=5\); top reasons: undecodable_image x6"):
+    in_a_row = r"5 samples in a row were rejected \(max_consecutive_rejections=5\); top reasons: undecodable_image x6"
+    with pytest.raises(DataServiceError, match=in_a_row):
         list(BlockProducer(cfg([shard], max_consecutive_rejections=5)).micro_batches())
     with pytest.raises(DataServiceError, match=r"6 of 8 samples read \(75.0%\).*max_rejection_rate=0.5"):
         list(BlockProducer(cfg([shard], rejection_rate_min_samples=8)).micro_batches())
