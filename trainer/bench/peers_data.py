@@ -61,16 +61,40 @@ class PeerSetting:
 # The shards, converted once (outside any timed part)
 # ------------------------------------------------------------------------------------------------
 def shard_samples(shards) -> list[dict]:
-    """Every sample of the shards as {key, images: [(ext, bytes)], caption}, in shard order."""
+    """Every good sample of the shards as {key, images: [(ext, bytes)], messages}, in shard order;
+    ``messages`` is what vlmfeed trains on (``datasvc.formats.sample_messages``: a caption or a
+    conversation, images placed), so every peer trains on the same conversations."""
+    from datasvc.formats import sample_messages
+    from datasvc.text import SampleRejected
     from datasvc.shards import ReadLimits, index_shard, read_samples
 
     out = []
     for path in shards:
         for raw in read_samples(path, index_shard(path).samples, ReadLimits()):
-            if raw.problem or not raw.images or not (raw.text or "").strip():
+            if raw.problem or not raw.images:
                 continue  # bad samples are vlmfeed's counted rejects; the peers never see them
-            out.append({"key": f"{os.path.basename(path)}/{raw.key}", "images": raw.images,
-                        "caption": raw.text.strip()})
+            try:
+                messages = sample_messages(raw, len(raw.images))
+            except SampleRejected:
+                continue
+            out.append({"key": f"{os.path.basename(path)}/{raw.key}", "images": raw.images, "messages": messages})
+    return out
+
+
+def hf_messages(messages: list[dict], image_paths: list[str] | None = None) -> list[dict]:
+    """vlmfeed's messages (content: text strings and image markers) as Hugging Face chat parts;
+    image parts carry their file path when given (qwen_vl_utils opens it)."""
+    paths = iter(image_paths or [])
+    out = []
+    for m in messages:
+        parts = []
+        for p in m["content"]:
+            if isinstance(p, str):
+                parts.append({"type": "text", "text": p})
+            else:
+                path = next(paths, None)
+                parts.append({"type": "image", "image": path} if path else {"type": "image"})
+        out.append({"role": m["role"], "content": parts})
     return out
 
 
@@ -85,15 +109,12 @@ def write_conversations(shards, out_dir: str) -> str:
     os.makedirs(images_dir, exist_ok=True)
     rows = []
     for i, s in enumerate(shard_samples(shards)):
-        parts = []
+        paths = []
         for j, (ext, data) in enumerate(s["images"]):
-            image_path = os.path.join(images_dir, f"{i:06d}_{j}.{ext}")
-            with open(image_path, "wb") as f:
+            paths.append(os.path.join(images_dir, f"{i:06d}_{j}.{ext.rsplit('.', 1)[-1]}"))
+            with open(paths[-1], "wb") as f:
                 f.write(data)
-            parts.append({"type": "image", "image": image_path})
-        rows.append({"conversation": [
-            {"role": "user", "content": parts},
-            {"role": "assistant", "content": [{"type": "text", "text": s["caption"]}]}]})
+        rows.append({"conversation": hf_messages(s["messages"], paths)})
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         for row in rows:

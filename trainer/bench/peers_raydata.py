@@ -1,5 +1,5 @@
-"""Ray Data as its users feed a VLM trainer: ``read_webdataset`` on the same tars (its default
-decoder opens the JPEGs and captions), ``map_batches`` with the Hugging Face Qwen3-VL processor in
+"""Ray Data as its users feed a VLM trainer: ``read_webdataset`` on the same tars (members as raw
+bytes), ``map_batches`` with the Hugging Face Qwen3-VL processor in
 a class on an actor pool, ``streaming_split`` to the trainer ranks, and each rank's micro-batches
 padded to the longest row (``iter_batches`` of MBS rows, padded as Bridge's collate pads).
 
@@ -8,12 +8,14 @@ returns, and what a user moves through the object store to the rank.
 """
 from __future__ import annotations
 
+import io
+import json
 import os
 
 import numpy as np
 from PIL import Image
 
-from trainer.bench.peers_data import PeerSetting, build_hf_processor, padded_batch
+from trainer.bench.peers_data import PeerSetting, build_hf_processor, hf_messages, padded_batch
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
@@ -30,16 +32,19 @@ class HFQwen3VLEncoder:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict) -> dict:
+        from datasvc.formats import sample_messages
+        from datasvc.shards import RawSample
+
         out = {"input_ids": [], "labels": [], "loss_mask": [], "pixel_values": [], "image_grid_thw": [],
                "key": [], "worker_pid": []}
         keys = batch["__key__"]
+        image_columns = sorted(c for c in batch if c.rsplit(".", 1)[-1] in IMAGE_EXTS)
         for i in range(len(keys)):
-            # The decoder gives arrays of any channel count (grey, RGBA); the processor wants RGB.
-            images = [Image.fromarray(batch[ext][i]).convert("RGB") for ext in IMAGE_EXTS
-                      if ext in batch and batch[ext][i] is not None]
-            caption = str(batch["txt"][i]).strip()
-            messages = [{"role": "user", "content": [{"type": "image"}] * len(images)},
-                        {"role": "assistant", "content": [{"type": "text", "text": caption}]}]
+            images = [Image.open(io.BytesIO(batch[c][i])).convert("RGB") for c in image_columns
+                      if _value(batch, c, i) is not None]
+            text, doc = _value(batch, "txt", i), _value(batch, "json", i)
+            raw = RawSample("", str(keys[i]), [], text.decode() if text else None, json.loads(doc) if doc else None)
+            messages = hf_messages(sample_messages(raw, len(images)))  # the conversation vlmfeed trains on
             text = self.processor.apply_chat_template(messages, tokenize=False)
             enc = self.processor(text=[text], images=images or None, return_tensors="np")
             ids = np.asarray(enc["input_ids"][0], dtype=np.int64)
@@ -70,6 +75,11 @@ class HFQwen3VLEncoder:
         return mask
 
 
+def _value(batch: dict, column: str, i: int):
+    value = batch[column][i] if column in batch else None
+    return None if value is None or (isinstance(value, float) and np.isnan(value)) else value
+
+
 def _column(values: list) -> np.ndarray:
     """A ragged list as an object column (Ray Data stores it as a variable-shaped tensor)."""
     col = np.empty(len(values), dtype=object)
@@ -81,7 +91,10 @@ def build_dataset(setting: PeerSetting, actors: int, batch_size: int = 4):
     """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``)."""
     import ray.data
 
-    ds = ray.data.read_webdataset(list(setting.shards))
+    # Raw bytes, decoded in the actors: Ray's default decoder turns images into arrays per row, and
+    # a block whose rows hold different members (one image, or two and a conversation) then fails
+    # to become one tensor column.
+    ds = ray.data.read_webdataset(list(setting.shards), decoder=None)
     return ds.map_batches(HFQwen3VLEncoder, fn_constructor_args=(setting,), batch_size=batch_size,
                           batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1)
 

@@ -1,0 +1,341 @@
+"""Side by side with what users pick instead: ``vlmfeed bench peers`` (``python -m trainer.bench peers``).
+
+    vlmfeed bench peers data  [--cores 2] [--samples 96]     the data paths alone, on CPU
+    vlmfeed bench peers train [--mbs 2 4] [--strategy 3d]    each path feeding the same trainer (GPU)
+    vlmfeed bench peers all   [--out DIR]                    both, then the ratios to vlmfeed
+    vlmfeed bench peers duplication                          the stock path's repeated preprocessing
+
+The paths, on the same shards, pixel limits, sequence length and MBS:
+  megatron-bridge  Megatron-Bridge 0.6.2's own loader (``trainer.bench.peers_stock``): its recipe's
+                   HF dataset config, the HF Qwen3-VL processor in 2 DataLoader workers per rank,
+                   its Qwen-VL collate, padded rows, the stock ``qwen3_vl_step``;
+  ray-data         read_webdataset -> map_batches(HF processor, actor pool) -> streaming_split,
+                   padded rows (``trainer.bench.peers_raydata``), the stock ``qwen3_vl_step``;
+  vlmfeed-cpu/gpu  the data service (CPU or GPU decode), packed rows, our THD forward step.
+
+Each path runs in its own process, so the process tree measured (``peers_measure``) holds only that
+path's workers, actors and Ray processes. CPU seconds per sample count every process of the tree
+(data workers, Ray's own, and the consumer, which for vlmfeed expands pixel rows).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from trainer.bench.peers_data import STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
+from trainer.bench.peers_measure import Clock, ProcessTreeMeter, block_means, mean_se, ratio
+
+PATHS = ("megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
+BASELINE = "vlmfeed-cpu"
+
+
+# ------------------------------------------------------------------------------------------------
+# Opening a path for one rank
+# ------------------------------------------------------------------------------------------------
+def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: int = 1, consumers: int = 1):
+    """The data service as ``trainer.run`` configures it, at the peers' pixel limits."""
+    from datasvc.config import ServiceConfig
+    from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
+
+    cfg = ServiceConfig(shards=setting.shards, pipeline=setting.pipeline,
+                        pipeline_options={"min_pixels": setting.min_pixels, "max_pixels": setting.max_pixels},
+                        seq_len=setting.seq_len, micro_batch_size=setting.mbs, dp_size=dp_size, pack=True,
+                        consumers_per_replica=consumers, epochs=None, blocks_span_epochs=True,
+                        chain_blocks=TRAINING_CHAIN_BLOCKS, seed=0, decode=decode, decode_threads=1,
+                        min_actors=actors, max_actors=actors, items_per_block=1)
+    return size_blocks(cfg, target_micro_batches=8)[0]
+
+
+class VlmfeedPath:
+    """The data service's client for one rank (the service started here unless one is given)."""
+
+    def __init__(self, setting: PeerSetting, *, decode: str, actors: int, device: str | None = None):
+        from datasvc.client import DataService
+
+        self.name = f"vlmfeed-{decode}"
+        self.service = DataService(vlmfeed_config(setting, decode=decode, actors=actors),
+                                   run=f"peers-{os.getpid()}")
+        self.client = self.service.client(0, device=device)
+        cfg = self.service.cfg
+        # A feeder holds up to three packed blocks ahead of the rank: a warm-up past them measures
+        # the steady state, not the read-ahead.
+        self.buffered_samples = 3 * cfg.items_per_block * cfg.samples_per_item
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return next(self.client)
+
+    def close(self) -> None:
+        self.client.close()
+        self.service.shutdown()
+
+
+def open_path(name: str, setting: PeerSetting, work_dir: str, *, workers: int, samples: int):
+    """One rank's iterator of contract batches for the named path (Ray started already where the
+    path needs it). ``workers``: DataLoader workers, Ray Data actors or vlmfeed actors."""
+    if name == "megatron-bridge":
+        from trainer.bench.peers_stock import StockPath
+
+        return StockPath(setting, work_dir, samples=samples, num_workers=workers)
+    if name == "ray-data":
+        from trainer.bench.peers_raydata import RayDataPath, split_for_ranks
+
+        (it,) = split_for_ranks(setting, 1, workers)
+        return RayDataPath(setting, it, pad_id=_pad_id(setting))
+    if name in ("vlmfeed-cpu", "vlmfeed-gpu"):
+        return VlmfeedPath(setting, decode=name.split("-")[1], actors=workers,
+                           device="cuda:0" if name == "vlmfeed-gpu" else None)
+    raise ValueError(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
+
+
+def _pad_id(setting: PeerSetting) -> int:
+    from datasvc.registry import get_pipeline
+
+    return get_pipeline(setting.pipeline).pad_id
+
+
+# ------------------------------------------------------------------------------------------------
+# The data path alone
+# ------------------------------------------------------------------------------------------------
+def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, workers: int, samples: int) -> dict:
+    """Drain one path in this process, pinned to ``cores`` cores: time to the first micro-batch;
+    then, past a warm-up that outlasts the path's read-ahead (``buffered_samples``: vlmfeed holds
+    up to three packed blocks), samples/s and tree CPU-s per sample over ``samples`` samples
+    (per-batch marks, five block means for the errors); peak tree RSS."""
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
+    meter = ProcessTreeMeter().start()
+    t0 = time.perf_counter()
+    ray_tmp = None
+    if name != "megatron-bridge":
+        from datasvc.cluster import connect
+
+        ray_tmp = tempfile.mkdtemp(prefix="peers-ray-", dir="/tmp")
+        connect(num_cpus=max(cores, workers + 1), temp_dir=ray_tmp)
+    path = open_path(name, setting, work_dir, workers=workers, samples=1 << 20)
+    try:
+        first = next(path)
+        t_first = time.perf_counter() - t0
+        warm = int(first["num_samples"].sum())
+        while warm < max(samples // 4, getattr(path, "buffered_samples", 0)):
+            warm += int(next(path)["num_samples"].sum())
+        clock, n, real = Clock(meter), 0, []
+        start_cpu = meter.cpu_s()
+        clock.mark(0)
+        while n < max(samples, getattr(path, "buffered_samples", 0)):
+            b = next(path)
+            n += int(b["num_samples"].sum())
+            real.append(_real_fraction(b))
+            clock.mark(n)
+        wall = clock.marks[-1][0] - clock.marks[0][0]
+        cpu = {k: v - start_cpu[k] for k, v in meter.cpu_s().items()}
+    finally:
+        path.close()
+        meter.stop()
+        _stop_ray(ray_tmp)
+    sps, cps = clock.rates()
+    return {"path": name, "cores": cores, "workers": workers, "warmup_samples": warm, "samples": n,
+            "micro_batches": len(real), "time_to_first_batch_s": round(t_first, 2), "wall_s": round(wall, 2),
+            "samples_per_s": round(n / wall, 3), "samples_per_s_blocks": list(mean_se(block_means(sps))),
+            "cpu_s_per_sample": round(cpu["total"] / n, 4), "cpu_s_per_sample_blocks": list(mean_se(block_means(cps))),
+            "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
+            "real_token_fraction": round(sum(real) / len(real), 4), "peak_rss_gib": round(meter.peak_rss_gib, 3)}
+
+
+def _real_fraction(batch: dict) -> float:
+    from trainer.bench.peers_data import real_token_fraction
+
+    return real_token_fraction(batch)
+
+
+def _stop_ray(tmp: str | None) -> None:
+    if tmp is None:
+        return
+    import shutil
+
+    import ray
+
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def data_all(args) -> dict:
+    """Each path alone in its own process; the ratios of each to vlmfeed's CPU path."""
+    results = {}
+    for name in args.paths:
+        if name == "vlmfeed-gpu" and not _has_gpu():
+            results[name] = {"path": name, "skipped": "needs a CUDA GPU (GPU decode)"}
+            continue
+        with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+            cmd = [sys.executable, "-m", "trainer.bench.peers", "data-one", "--path", name, "--json", out.name,
+                   *_setting_args(args), "--cores", str(args.cores), "--samples", str(args.samples)]
+            if args.workers:
+                cmd += ["--workers", str(args.workers)]
+            print(f"[peers] data alone: {name} on {args.cores} cores", flush=True)
+            rc = subprocess.run(cmd, timeout=args.case_timeout).returncode
+            results[name] = json.load(open(out.name)) if rc == 0 and os.path.getsize(out.name) else \
+                {"path": name, "rc": rc}
+        print(f"[peers] {name}: " + json.dumps({k: results[name].get(k) for k in (
+            "samples_per_s", "cpu_s_per_sample", "time_to_first_batch_s", "peak_rss_gib", "rc")}), flush=True)
+    base = results.get(BASELINE, {})
+    for name, r in results.items():
+        if "samples_per_s_blocks" in r and "samples_per_s_blocks" in base:
+            r["samples_per_s_vs_vlmfeed"] = ratio(tuple(r["samples_per_s_blocks"]), tuple(base["samples_per_s_blocks"]))
+            r["cpu_s_per_sample_vs_vlmfeed"] = ratio(tuple(r["cpu_s_per_sample_blocks"]),
+                                                     tuple(base["cpu_s_per_sample_blocks"]))
+    return {"cores": args.cores, "setting": _setting_dict(args), "paths": results,
+            "duplication": duplication(results)}
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# The stock path's repeated work across model-parallel ranks
+# ------------------------------------------------------------------------------------------------
+LAYOUTS = (  # (name, world, tp, pp, cp): Megatron-Bridge's Qwen3-VL SFT recipes and common 3D layouts
+    ("30b-a3b sft recipe: 8 GPUs, TP1 PP1 (EP8)", 8, 1, 1, 1),
+    ("235b-a22b sft recipe: 32 GPUs, TP4 PP1 (EP32)", 32, 4, 1, 1),
+    ("64 GPUs, TP4 PP2", 64, 4, 2, 1),
+    ("64 GPUs, TP2 PP4 CP2", 64, 2, 4, 2),
+)
+
+
+def duplication(measured: dict | None = None, workers_per_rank: int = 2) -> list[dict]:
+    """Per layout: how often each trained sample is preprocessed. Bridge's DataLoader runs on every
+    rank and shards by DP rank, so the TP x PP x CP ranks of one replica each preprocess the same
+    samples (world/DP times the work); vlmfeed preprocesses once per DP replica and hands every
+    rank of it the same micro-batch. Measured CPU-s per sample, where given, are scaled by it."""
+    out = []
+    for name, world, tp, pp, cp in LAYOUTS:
+        mp = tp * pp * cp
+        row = {"layout": name, "world": world, "dp": world // mp, "stock_preprocessing_per_sample": mp,
+               "vlmfeed_preprocessing_per_sample": 1, "stock_dataloader_workers": world * workers_per_rank}
+        for path, r in (measured or {}).items():
+            if "cpu_s_per_sample" in r:
+                times = mp if path == "megatron-bridge" else 1
+                row[f"{path}_cpu_s_per_trained_sample"] = round(r["cpu_s_per_sample"] * times, 4)
+        out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+def _add_setting(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shards", nargs="+", default=None, help="WebDataset shards (default: the bundled photos)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--min-pixels", type=int, default=STOCK_MIN_PIXELS)
+    p.add_argument("--max-pixels", type=int, default=STOCK_MAX_PIXELS)
+    p.add_argument("--work-dir", default=None, help="where the conversion and processor are kept "
+                                                    "(default: the cache beside the bundled shards)")
+
+
+def _setting(args) -> PeerSetting:
+    from datasvc.samples import default_shards, large_shards
+
+    shards = args.shards or (large_shards() if getattr(args, "large", False) else default_shards())
+    return PeerSetting(shards=tuple(shards), seq_len=args.seq_len, mbs=args.mbs,
+                       min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+
+
+def _setting_args(args) -> list[str]:
+    out = ["--seq-len", str(args.seq_len), "--mbs", str(args.mbs), "--min-pixels", str(args.min_pixels),
+           "--max-pixels", str(args.max_pixels), "--work-dir", _work_dir(args)]
+    return out + (["--shards", *args.shards] if args.shards else [])
+
+
+def _setting_dict(args) -> dict:
+    s = _setting(args)
+    return {"shards": len(s.shards), "seq_len": s.seq_len, "mbs": s.mbs, "min_pixels": s.min_pixels,
+            "max_pixels": s.max_pixels}
+
+
+def _work_dir(args) -> str:
+    if args.work_dir:
+        return args.work_dir
+    import hashlib
+
+    from datasvc.samples import cache_dir
+
+    key = hashlib.sha1(json.dumps(_setting_dict(args) | {"s": list(_setting(args).shards)}).encode()).hexdigest()
+    return cache_dir("peers", key[:12])
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vlmfeed bench peers", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, text in (("data", "the data paths alone on this host's CPU"),):
+        p = sub.add_parser(name, help=text)
+        _add_setting(p)
+        p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+        p.add_argument("--cores", type=int, default=min(16, os.cpu_count() or 1))
+        p.add_argument("--workers", type=int, default=None, help="per path (default: Bridge's 2 DataLoader "
+                                                                 "workers; --cores actors for the others)")
+        p.add_argument("--samples", type=int, default=96)
+        p.add_argument("--case-timeout", type=int, default=900)
+        p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench-peers.json"))
+        p.set_defaults(large=False)
+    one = sub.add_parser("data-one", help="one path alone, in this process (what `data` runs per path)")
+    _add_setting(one)
+    one.add_argument("--path", required=True, choices=PATHS)
+    one.add_argument("--cores", type=int, default=2)
+    one.add_argument("--workers", type=int, default=None)
+    one.add_argument("--samples", type=int, default=96)
+    one.add_argument("--json", required=True)
+    sub.add_parser("duplication", help="the stock path's repeated preprocessing per layout")
+    from trainer.bench.peers_train import add_train_parsers
+
+    add_train_parsers(sub, _add_setting, PATHS)
+    return ap
+
+
+def default_workers(path: str, cores: int, given: int | None) -> int:
+    if given:
+        return given
+    return 2 if path == "megatron-bridge" else cores  # Bridge's recipes: num_workers=2 per rank
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "duplication":
+        print(json.dumps(duplication(), indent=1))
+        return 0
+    if args.cmd == "data-one":
+        rep = data_alone(args.path, _setting(args), _work_dir(args), cores=args.cores,
+                         workers=default_workers(args.path, args.cores, args.workers), samples=args.samples)
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+        return 0
+    if args.cmd in ("train", "train-one"):
+        from trainer.bench.peers_train import train_main
+
+        return train_main(args, _setting(args), _work_dir(args), _setting_args(args))
+    rep = {"data_alone": data_all(args)}
+    if args.cmd == "all":
+        from trainer.bench.peers_train import train_all
+
+        rep["training"] = train_all(args, _setting(args), _setting_args(args))
+        args.out = os.path.join(args.out, "bench-peers.json")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rep, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
