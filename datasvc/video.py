@@ -27,8 +27,11 @@ from datasvc.vision import ImageRejected, VisionSpec
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov")
 KNOWN_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mjpeg", "mpeg4")
 CPU_CODECS = ("vp8", "vp9", "mjpeg")
-"""What DALI's CPU video decoder takes (libavcodec); the mixed backend (NVDEC) takes all of
-``KNOWN_CODECS``."""
+"""What DALI's CPU video decoder takes (libavcodec)."""
+VIDEO_STAGES = ("video_decode", "video_preprocess")
+"""Stage timers counted per decoded frame; the same seconds are in ``decode`` and ``preprocess``."""
+GPU_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
+"""What DALI's mixed backend (NVDEC) takes; it refuses MJPEG (seen on an H200, DALI 2.4)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -270,23 +273,23 @@ def to_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype=None):
     return values if dtype is None else values.to(dtype)
 
 
-class VideoDecoder:
-    """DALI's video decoder over in-memory containers, fed each video's planned frame indices (it
-    seeks to the keyframe before each run of frames instead of decoding the whole stream).
+class _DaliVideo:
+    """One DALI video pipeline (``cpu`` or ``mixed``) fed whole containers and frame indices."""
 
-    ``device_id=None``: the CPU backend (libavcodec: VP8, VP9, MJPEG; other codecs are rejected
-    ``video_codec_needs_gpu``). A device id: the mixed backend (NVDEC) for every known codec, frames
-    copied to the host for the resize."""
-
-    def __init__(self, device_id: int | None = None, num_threads: int = 1, max_batch: int = 4):
+    def __init__(self, device_id: int | None, num_threads: int, max_batch: int):
         self.device_id, self.num_threads, self.max_batch = device_id, num_threads, max_batch
-        self.name = "cpu" if device_id is None else "gpu"
         self._lock = threading.Lock()  # a DALI pipeline is fed and run by one thread at a time
+        self._pipe = None
         self._build()
 
     def _build(self) -> None:
+        import gc
+
         from nvidia.dali import fn, pipeline_def, types
 
+        if self._pipe is not None:  # a pipeline that raised stays broken: drop it before the next
+            self._pipe = None
+            gc.collect()
         device = "cpu" if self.device_id is None else "mixed"
 
         @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=self.device_id,
@@ -299,49 +302,83 @@ class VideoDecoder:
         self._pipe = video_pipeline()
         self._pipe.build()
 
-    def decodable(self, header: VideoHeader) -> bool:
-        return self.device_id is not None or header.codec in CPU_CODECS
-
-    def _dali(self, plans: list[VideoPlan]) -> list[np.ndarray]:
+    def run(self, plans: list[VideoPlan]) -> list[np.ndarray]:
         with self._lock:
             try:
                 self._pipe.feed_input("encoded", [np.frombuffer(p.data, dtype=np.uint8) for p in plans])
                 self._pipe.feed_input("frames", [np.asarray(p.indices, dtype=np.int32) for p in plans])
                 (out,) = self._pipe.run()
             except RuntimeError:
-                self._build()  # a DALI pipeline that raised stays broken: start a fresh one
+                self._build()
                 raise
             if self.device_id is not None:
                 out = out.as_cpu()
             return [np.asarray(out.at(i)) for i in range(len(plans))]
 
-    def _decode(self, plans: list[VideoPlan]) -> list[np.ndarray | ImageRejected]:
+    def decode(self, plans: list[VideoPlan]) -> list[np.ndarray | ImageRejected]:
         results: list = [None] * len(plans)
-        live = []
-        for i, plan in enumerate(plans):
-            if self.decodable(plan.header):
-                live.append(i)
-            else:
-                results[i] = ImageRejected("video_codec_needs_gpu",
-                                           f"{plan.header.codec}: the CPU decoder takes {', '.join(CPU_CODECS)}")
-        for start in range(0, len(live), self.max_batch):
-            chunk = live[start:start + self.max_batch]
+        for start in range(0, len(plans), self.max_batch):
+            chunk = list(range(start, min(start + self.max_batch, len(plans))))
             try:
-                for i, frames in zip(chunk, self._dali([plans[i] for i in chunk])):
+                for i, frames in zip(chunk, self.run([plans[i] for i in chunk])):
                     results[i] = frames
             except RuntimeError:  # one bad video fails the batch: redo one by one to isolate it
                 for i in chunk:
                     try:
-                        results[i] = self._dali([plans[i]])[0]
+                        results[i] = self.run([plans[i]])[0]
                     except RuntimeError as exc:
-                        results[i] = ImageRejected("video_corrupt", str(exc).strip().splitlines()[-1][:200])
+                        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+                        results[i] = ImageRejected("video_corrupt", (lines[-1] if lines else "")[:200])
+        return results
+
+
+class VideoDecoder:
+    """DALI's video decoder over in-memory containers, fed each video's planned frame indices (it
+    seeks to the keyframe before each run of frames instead of decoding the whole stream).
+
+    ``device_id=None``: the CPU backend (libavcodec: VP8, VP9, MJPEG; other codecs are rejected
+    ``video_codec_needs_gpu``). A device id: the mixed backend (NVDEC) for ``GPU_CODECS``, MJPEG
+    (which NVDEC does not take) on the CPU backend; frames copied to the host for the resize."""
+
+    def __init__(self, device_id: int | None = None, num_threads: int = 1, max_batch: int = 4):
+        self.device_id, self.num_threads, self.max_batch = device_id, num_threads, max_batch
+        self.name = "cpu" if device_id is None else "gpu"
+        self._backends: dict[str, _DaliVideo] = {}
+        self._backend("cpu" if device_id is None else "gpu")  # fail fast on a missing DALI or device
+
+    def _backend(self, kind: str) -> _DaliVideo:
+        if kind not in self._backends:
+            device = None if kind == "cpu" else self.device_id
+            self._backends[kind] = _DaliVideo(device, self.num_threads, self.max_batch)
+        return self._backends[kind]
+
+    def route(self, header: VideoHeader) -> str | None:
+        """Which backend decodes this codec here: ``gpu``, ``cpu`` or None (none can)."""
+        if self.device_id is not None and header.codec in GPU_CODECS:
+            return "gpu"
+        return "cpu" if header.codec in CPU_CODECS else None
+
+    def decode_frames(self, plans: list[VideoPlan]) -> list[np.ndarray | ImageRejected]:
+        """The planned frames [F, H, W, 3] uint8 of each video as stored, or why it failed."""
+        results: list = [None] * len(plans)
+        by_backend: dict[str, list[int]] = {}
+        for i, plan in enumerate(plans):
+            kind = self.route(plan.header)
+            if kind is None:
+                results[i] = ImageRejected("video_codec_needs_gpu",
+                                           f"{plan.header.codec}: the CPU decoder takes {', '.join(CPU_CODECS)}")
+            else:
+                by_backend.setdefault(kind, []).append(i)
+        for kind, idx in by_backend.items():
+            for i, res in zip(idx, self._backend(kind).decode([plans[i] for i in idx])):
+                results[i] = res
         return results
 
     def to_pixel_rows(self, plans: list[VideoPlan], vision: VisionSpec,
                       timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
         """Each planned video's uint8 rows (``frames_to_rows``), or why it failed."""
         t0 = time.perf_counter()
-        decoded = self._decode(plans)
+        decoded = self.decode_frames(plans)
         t1 = time.perf_counter()
         out = []
         for plan, frames in zip(plans, decoded):
@@ -352,9 +389,12 @@ class VideoDecoder:
                 out.append(frames_to_rows(frames, plan, vision))
             except ImageRejected as exc:
                 out.append(exc)
-        if timer:
-            timer("decode", t1 - t0, sum(len(p.indices) for p in plans))
-            timer("preprocess", time.perf_counter() - t1, sum(len(p.indices) for p in plans))
+        if timer:  # the actor's decode and preprocess stages, and the same time per video frame
+            frames, t2 = sum(len(p.indices) for p in plans), time.perf_counter()
+            timer("decode", t1 - t0, 0)
+            timer("preprocess", t2 - t1, 0)
+            timer(VIDEO_STAGES[0], t1 - t0, frames)
+            timer(VIDEO_STAGES[1], t2 - t1, frames)
         return out
 
 

@@ -136,7 +136,7 @@ def test_frame_choice_and_timestamps_match_transformers(total, fps):
     assert [f"<{t:.1f} seconds>" for t in group_timestamps(ours, fps, 2)] == [f"<{t:.1f} seconds>" for t in hf_stamps]
 
 
-@pytest.mark.parametrize("frames", [1, 4, 5, 48, 768])
+@pytest.mark.parametrize("frames", [2, 3, 4, 5, 48, 768])
 @pytest.mark.parametrize("hw", [(32, 32), (96, 128), (240, 427), (720, 1280), (1080, 1920), (2160, 3840), (33, 4000)])
 def test_smart_resize_over_frames_matches_transformers(frames, hw, vision):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
@@ -160,7 +160,7 @@ def test_only_the_sampled_frames_are_decoded_and_they_are_the_stream_frames(clip
     plan = plan_video(clips["vp9"], vision, SPEC)
     assert plan.indices == (0, 6, 12, 18, 24) and plan.grid == (3, 10, 12)
     everything = dataclasses.replace(plan, indices=tuple(range(plan.header.frames)))
-    sampled, full = video_decoder._dali([plan, everything])
+    sampled, full = video_decoder.decode_frames([plan, everything])
     assert sampled.shape == (5, 96, 128, 3) and full.shape == (25, 96, 128, 3)
     assert np.array_equal(sampled, full[list(plan.indices)])  # seeking lands on the same frames
     with av.open(io.BytesIO(clips["vp9"])) as c:  # FFmpeg's own decode of those frames, to RGB
@@ -169,6 +169,17 @@ def test_only_the_sampled_frames_are_decoded_and_they_are_the_stream_frames(clip
         assert np.abs(sampled[k].astype(int) - ref[i]).mean() < 4  # YUV->RGB conversions differ a little
     rows = video_decoder.to_pixel_rows([plan], vision)[0]
     assert rows.shape == (6 * 10 * 12, 768)  # 5 frames padded to 6 with the last
+
+
+def test_a_video_the_decoder_fails_on_costs_only_itself(clips, vision, video_decoder):
+    import dataclasses
+
+    good = plan_video(clips["vp9"], vision, SPEC)
+    past_the_end = dataclasses.replace(good, indices=(0, 10, 99))  # the container holds 25 frames
+    out = video_decoder.to_pixel_rows([good, past_the_end, plan_video(clips["mjpeg"], vision, SPEC), good], vision)
+    assert [type(r).__name__ for r in out] == ["ndarray", "ImageRejected", "ndarray", "ndarray"]
+    assert out[1].reason == "video_corrupt"
+    assert np.array_equal(out[0], out[3])  # the decoder, rebuilt after the failure, decodes as before
 
 
 def _hf_processor():
@@ -218,7 +229,7 @@ def test_tokens_grids_and_pixels_match_the_transformers_processor(clips, qwen3vl
 
     names = ("vp9", "mjpeg")
     plans = [plan_video(clips[k], vision, qwen3vl.video) for k in names]
-    full = video_decoder._dali([dataclasses.replace(p, indices=tuple(range(p.header.frames))) for p in plans])
+    full = video_decoder.decode_frames([dataclasses.replace(p, indices=tuple(range(p.header.frames))) for p in plans])
     proc = _hf_processor()
     text = proc.tokenizer.apply_chat_template(CONVERSATION["messages"], chat_template=TEMPLATE, tokenize=False)
     meta = [VideoMetadata(total_num_frames=p.header.frames, fps=p.header.fps, duration=p.header.duration) for p in plans]
@@ -422,14 +433,35 @@ def test_nvdec_decodes_the_sampled_frames_of_every_codec(clips, vision, video_de
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
-def test_h264_samples_go_through_the_gpu_video_decoder(tmp_path, clips, qwen3vl, cpu_decoder):
+def test_h264_samples_go_through_the_gpu_video_decoder(tmp_path, clips, qwen3vl):
     members = [("a.mp4", clips["h264"]), ("a.txt", b"H.264 on NVDEC"), ("b.mov", clips["h264"]), ("b.txt", b"in a mov")]
     path = write_tar(tmp_path / "h264.tar", members)
     from datasvc.process import WorkItem, process_item
     from datasvc.shards import index_shard
 
     gpu = VideoDecoder(device_id=0)
-    res = process_item(WorkItem(path, 0, tuple(index_shard(path).samples)), qwen3vl, cpu_decoder,
+    res = process_item(WorkItem(path, 0, tuple(index_shard(path).samples)), qwen3vl, None,  # no images here
                        video_decoder=lambda: gpu)
     assert [s.key for s in res.samples] == ["a", "b"] and not res.accounting.log
     assert all(s.video_grid_thw.tolist() == [[2, 10, 14]] for s in res.samples)
+
+
+def test_the_profiler_counts_video_tokens_and_time_per_frame(tmp_path, clips, qwen3vl, vision):
+    from datasvc.packing import PackingConfig, pack
+    from datasvc.tools.profile.measure import _stage_diff, _tally_batch, _video_report
+    from datasvc.video import VIDEO_STAGES
+
+    members = [("a.webm", clips["vp9"]), ("a.txt", b"A pan."), ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup.")]
+    res, _ = _run(write_tar(tmp_path / "profile.tar", members), qwen3vl)
+    (b,), _ = pack(res.samples, PackingConfig(seq_len=4096, micro_batch_size=1, pad_id=qwen3vl.pad_id), 768)
+    tally = _tally_batch(b, vision)
+    assert (tally.videos, tally.video_tokens) == (2, (360 + 280) // 4)
+    assert tally.vision_tokens == tally.video_tokens == int((b.tokens == VIDEO_PAD).sum())
+    from datasvc.process import WorkItem, process_item
+    from datasvc.shards import index_shard
+
+    path = str(tmp_path / "profile.tar")
+    times = process_item(WorkItem(path, 0, tuple(index_shard(path).samples)), qwen3vl, None).times.as_dict()
+    video = _video_report(tally, _stage_diff({}, times, VIDEO_STAGES))
+    assert video["frames_decoded"] == 5 + 4 and video["decode_ms_per_frame"] > 0
+    assert times["decode"]["seconds"] >= times["video_decode"]["seconds"]  # the actor's stage holds it too

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from datasvc.batch import grid_patches
 from datasvc.stats import STAGES
 from datasvc.tools.window import steady_window, window_is_full
+from datasvc.video import VIDEO_STAGES
 
 ACTOR_STAGES = tuple(s for s in STAGES if s not in ("pack", "transfer"))
 """Stages that run in the preprocessing actors (pack runs in the feeder, transfer in the client)."""
@@ -33,6 +35,8 @@ class _Tally:
     batches: int = 0
     images: int = 0
     megapixels: float = 0.0
+    videos: int = 0
+    video_tokens: int = 0
     text_tokens: int = 0
     vision_tokens: int = 0
     real_tokens: int = 0
@@ -58,12 +62,14 @@ def batch_flops(model, batch) -> dict:
 def _tally_batch(batch, spec, model=None) -> _Tally:
     grids = np.asarray(batch.image_grid_thw).reshape(-1, 3)
     patches = int(grids.prod(axis=1).sum()) if len(grids) else 0
-    vt = patches // spec.merge_size**2
+    video_tokens = grid_patches(batch.video_grid_thw) // spec.merge_size**2
+    vt = patches // spec.merge_size**2 + video_tokens
     real = batch.real_tokens
     # One transported pixel row is one patch of one frame: patch_size**2 source pixels after resize.
     t = _Tally(samples=len(batch.sample_keys), batches=1, images=len(grids),
                megapixels=batch.pixels.shape[0] * spec.patch_size**2 / 1e6, text_tokens=real - vt, vision_tokens=vt,
-               real_tokens=real, row_tokens=int(batch.tokens.size))
+               real_tokens=real, row_tokens=int(batch.tokens.size), videos=len(batch.video_grid_thw),
+               video_tokens=video_tokens)
     if model is not None:
         f = batch_flops(model, batch)
         t.flops, t.flops_text, t.flops_vision = f["total"], f["text"], f["vision"]
@@ -109,9 +115,17 @@ class _CpuMeter:
                 "machine_cores": self.psutil.cpu_count()}
 
 
-def _stage_diff(a: dict, b: dict) -> dict:
+def _video_report(tally: _Tally, stages: dict) -> dict:
+    """Video decode and resize time per decoded frame (the actors' ``VIDEO_STAGES`` timers)."""
+    dec, prep = (stages[s] for s in VIDEO_STAGES)
+    per_frame = lambda st: 1e3 * st["seconds"] / st["count"] if st["count"] else None  # noqa: E731
+    return {"videos": tally.videos, "video_tokens": tally.video_tokens, "frames_decoded": dec["count"],
+            "decode_ms_per_frame": per_frame(dec), "preprocess_ms_per_frame": per_frame(prep)}
+
+
+def _stage_diff(a: dict, b: dict, names: tuple = STAGES) -> dict:
     out = {}
-    for s in STAGES:
+    for s in names:
         sa, sb = a.get(s, {}), b.get(s, {})
         out[s] = {"seconds": max(0.0, sb.get("seconds", 0.0) - sa.get("seconds", 0.0)),
                   "count": sb.get("count", 0) - sa.get("count", 0)}
@@ -208,6 +222,8 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
     stages = _stage_diff(s0.get("stages", {}), s1.get("stages", {}))
     stages["transfer"] = {"seconds": max(0.0, transfer), "count": tally.batches}
     out = _run_report(cfg, tally, stages, max(1e-9, t1 - t0), cpu_report, end_stats["accounting"], model)
+    if tally.videos:
+        out["video"] = _video_report(tally, _stage_diff(s0.get("stages", {}), s1.get("stages", {}), VIDEO_STAGES))
     out.update(short_run=window is None, blocks_measured=len(measured))
     return out
 
