@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from trainer.bench.peers_data import STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
-from trainer.bench.peers_measure import Clock, ProcessTreeMeter, block_means, mean_se, ratio
+from trainer.bench.peers_measure import Clock, ProcessTreeMeter, mean_se, ratio
 
 PATHS = ("megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
 BASELINE = "vlmfeed-cpu"
@@ -139,11 +139,14 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
         path.close()
         meter.stop()
         _stop_ray(ray_tmp)
-    sps, cps = clock.rates()
+    sps, cps = clock.block_rates()
     return {"path": name, "cores": cores, "workers": workers, "warmup_samples": warm, "samples": n,
             "micro_batches": len(real), "time_to_first_batch_s": round(t_first, 2), "wall_s": round(wall, 2),
-            "samples_per_s": round(n / wall, 3), "samples_per_s_blocks": list(mean_se(block_means(sps))),
-            "cpu_s_per_sample": round(cpu["total"] / n, 4), "cpu_s_per_sample_blocks": list(mean_se(block_means(cps))),
+            "samples_per_s": round(n / wall, 3), "samples_per_s_blocks": list(mean_se(sps)),
+            "cpu_s_per_sample": round(cpu["total"] / n, 4), "cpu_s_per_sample_blocks": list(mean_se(cps)),
+            # Without the consumer: on a GPU host vlmfeed's rank expands pixel rows on its GPU, and the
+            # padded peers' consumer only pads rows; the consumer's share is its own figure.
+            "cpu_s_per_sample_without_consumer": round((cpu["total"] - cpu["driver"]) / n, 4),
             "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
             "real_token_fraction": round(sum(real) / len(real), 4), "peak_rss_gib": round(meter.peak_rss_gib, 3)}
 
@@ -189,6 +192,8 @@ def data_all(args) -> dict:
             r["samples_per_s_vs_vlmfeed"] = ratio(tuple(r["samples_per_s_blocks"]), tuple(base["samples_per_s_blocks"]))
             r["cpu_s_per_sample_vs_vlmfeed"] = ratio(tuple(r["cpu_s_per_sample_blocks"]),
                                                      tuple(base["cpu_s_per_sample_blocks"]))
+            r["cpu_s_per_sample_without_consumer_vs_vlmfeed"] = round(
+                r["cpu_s_per_sample_without_consumer"] / base["cpu_s_per_sample_without_consumer"], 3)
     return {"cores": args.cores, "setting": _setting_dict(args), "paths": results,
             "duplication": duplication(results)}
 

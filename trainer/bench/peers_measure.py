@@ -153,10 +153,16 @@ class Clock:
     def mark(self, samples: int) -> None:
         self.marks.append((time.perf_counter(), self.meter.cpu_s()["total"], samples))
 
-    def rates(self) -> tuple[list[float], list[float]]:
-        """Per interval between marks: samples/s and CPU-s per sample."""
+    def block_rates(self, blocks: int = 5) -> tuple[list[float], list[float]]:
+        """Per block of consecutive marks (batches arrive in bursts, so single intervals mislead):
+        samples/s and CPU-s per sample."""
+        marks = self.marks
+        if len(marks) < 2:
+            return [], []
+        k = min(blocks, len(marks) - 1)
+        edges = [marks[round(i * (len(marks) - 1) / k)] for i in range(k + 1)]
         sps, cps = [], []
-        for (t0, c0, n0), (t1, c1, n1) in zip(self.marks, self.marks[1:]):
+        for (t0, c0, n0), (t1, c1, n1) in zip(edges, edges[1:]):
             if n1 > n0 and t1 > t0:
                 sps.append((n1 - n0) / (t1 - t0))
                 cps.append((c1 - c0) / (n1 - n0))

@@ -41,12 +41,12 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         if name != "train-one":
             p.add_argument("--paths", nargs="+", default=list(paths), choices=paths)
             p.add_argument("--mbs-list", type=int, nargs="+", default=[2, 4])
-        if name == "all":
-            p.add_argument("--cores", type=int, default=16, help="host cores for the data paths alone")
-            p.add_argument("--samples", type=int, default=96, help="samples each data path alone drains")
         else:
             p.add_argument("--path", required=True, choices=paths)
             p.add_argument("--json", required=True)
+        if name == "all":
+            p.add_argument("--cores", type=int, default=16, help="host cores for the data paths alone")
+            p.add_argument("--samples", type=int, default=96, help="samples each data path alone drains")
 
 
 def trainer_argv(args, setting, path: str, out: str) -> list[str]:

@@ -1,0 +1,141 @@
+"""The peer data paths of ``vlmfeed bench peers`` (Megatron-Bridge's own loader, Ray Data, vlmfeed)
+each yield micro-batches in the rank's contract on CPU, on real shards with real Ray, so the GPU
+benchmark cannot rot between GPU runs; and the meter counts the CPU of a process tree."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from datasvc.samples import default_shards
+from pipelines.qwen3vl.data import TOKENS
+from trainer.bench.peers_data import PeerSetting, check_contract, shard_samples
+
+# Two bundled shards: single-image captions and two-image conversations (000003 holds the pairs).
+SHARDS = tuple(default_shards()[2:4])
+PATCH_DIM = 3 * 2 * 16 * 16
+
+
+@pytest.fixture(scope="module")
+def own_ray(tmp_path_factory):
+    """A Ray cluster of this module's own (its temp dir given, so a cluster another process
+    started on this host is never joined)."""
+    import ray
+
+    from datasvc.cluster import connect
+
+    connect(num_cpus=2, object_store_memory=400 * 1024 * 1024, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setting():
+    return PeerSetting(shards=SHARDS, seq_len=4096, mbs=2)
+
+
+def check(batch, setting):
+    v = setting.vision()
+    counts = check_contract(batch, TOKENS.image_pad, v.merge_size, PATCH_DIM, setting.seq_len)
+    assert batch["pixel_values"].dtype == torch.float32
+    return counts
+
+
+def test_the_peers_train_vlmfeeds_own_conversations():
+    samples = shard_samples(SHARDS)
+    assert len(samples) == 12
+    pairs = [s for s in samples if len(s["images"]) == 2]
+    assert len(pairs) == 3 and all(sum(not isinstance(p, str) for p in s["messages"][0]["content"]) == 2
+                                   for s in pairs)
+
+
+def test_megatron_bridge_loader_yields_the_rank_contract(setting, tmp_path):
+    pytest.importorskip("megatron.bridge")
+    pytest.importorskip("qwen_vl_utils")
+    from trainer.bench.peers_stock import StockPath
+
+    path = StockPath(setting, str(tmp_path), samples=12, num_workers=1)  # a real DataLoader worker process
+    assert path.config.dataloader_type == "cyclic" and path.config.defer_in_batch_packing_to_step
+    try:
+        batches = [next(path) for _ in range(6)]
+    finally:
+        path.close()
+    counts = [check(b, setting) for b in batches]
+    assert all(c["rows"] == setting.mbs for c in counts)  # padded rows, one sample each
+    assert sum(c["images"] for c in counts) == 15  # all 12 samples once: 9 single, 3 pairs
+    assert all(c["width"] % 128 == 0 for c in counts)  # Bridge's collate pads to a multiple of 128
+    assert all(c["real_token_fraction"] < 1 for c in counts)
+    # The rank's adapter to the stock qwen3_vl_step takes it as it is.
+    from trainer.megatron.step import to_stock_batch
+
+    stock = to_stock_batch(batches[0])
+    assert stock["visual_inputs"].image_grid_thw.shape[1] == 3
+
+
+def test_ray_data_path_yields_the_rank_contract(setting, own_ray):
+    from trainer.bench.peers_raydata import RayDataPath, split_for_ranks
+
+    (it,) = split_for_ranks(setting, ranks=1, actors=1)
+    path = RayDataPath(setting, it, pad_id=TOKENS.pad, epochs=1)
+    batches = list(path)
+    counts = [check(b, setting) for b in batches]
+    assert sum(c["rows"] for c in counts) == 12 and sum(c["images"] for c in counts) == 15
+    assert len(path.worker_pids) == 1  # the one actor of the pool
+    keys = [k for b in batches for k in b["sample_keys"]]
+    assert len(set(keys)) == 12
+
+
+def test_vlmfeed_path_yields_the_rank_contract(setting, own_ray):
+    from trainer.bench.peers import VlmfeedPath
+
+    path = VlmfeedPath(setting, decode="cpu", actors=1)
+    try:
+        batches = [next(path) for _ in range(3)]
+    finally:
+        path.close()
+    counts = [check(b, setting) for b in batches]
+    assert all(c["rows"] == setting.mbs for c in counts)
+    assert max(int(b["num_samples"].max()) for b in batches) > 1  # packed rows
+    assert sum(c["real_token_fraction"] for c in counts) / len(counts) > 0.8
+
+
+def test_process_tree_meter_counts_children_and_their_kind():
+    from trainer.bench.peers_measure import ProcessTreeMeter
+
+    meter = ProcessTreeMeter(interval_s=0.05).start()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.4: pass\ntime.sleep(0.2)"], check=True)
+    cpu = meter.cpu_s()
+    meter.stop()
+    assert 0.25 <= cpu["data_workers"] <= 1.5, cpu
+    assert cpu["total"] >= cpu["data_workers"] and meter.peak_rss_gib > 0
+
+
+def test_ratios_carry_two_standard_errors():
+    from trainer.bench.peers_measure import mean_se, ratio
+
+    m, se = mean_se([1.0, 1.2, 0.8, 1.1, 0.9])
+    assert m == pytest.approx(1.0) and se == pytest.approx(0.0707, abs=1e-3)
+    r = ratio((2.0, 0.1), (1.0, 0.05))
+    assert r["ratio"] == 2.0 and r["pm_2se"] == pytest.approx(2 * 2 * (0.05 ** 2 + 0.05 ** 2) ** 0.5, abs=1e-3)
+
+
+def test_stock_preprocessing_repeats_on_every_model_parallel_rank():
+    from trainer.bench.peers import duplication
+
+    rows = duplication({"megatron-bridge": {"cpu_s_per_sample": 0.1}, "vlmfeed-cpu": {"cpu_s_per_sample": 0.03}})
+    by_layout = {r["layout"].split(":")[0]: r for r in rows}
+    tp4 = by_layout["235b-a22b sft recipe"]
+    assert tp4["stock_preprocessing_per_sample"] == 4 and tp4["vlmfeed_preprocessing_per_sample"] == 1
+    assert tp4["megatron-bridge_cpu_s_per_trained_sample"] == pytest.approx(0.4)
+    assert tp4["stock_dataloader_workers"] == 64  # 2 per rank on 32 ranks
+    assert by_layout["64 GPUs, TP2 PP4 CP2"]["stock_preprocessing_per_sample"] == 16
+
+
+def test_peers_command_parses_every_subcommand():
+    from trainer.bench.peers import _parser
+
+    ap = _parser()
+    for argv in (["data", "--cores", "2"], ["train", "--mbs-list", "2", "4"], ["all"], ["duplication"],
+                 ["train-one", "--path", "ray-data", "--json", "x.json"]):
+        assert ap.parse_args(argv).cmd == argv[0]
