@@ -1,9 +1,10 @@
-"""Benchmarks: ``vlmfeed bench decode|service|soak|sizing`` (``python -m datasvc.tools.bench``).
+"""Benchmarks: ``vlmfeed bench decode|service|soak|sizing|peers`` (``python -m datasvc.tools.bench``).
 
     vlmfeed bench decode  [--images N] [--max-pixels P] [--synth N] [--out results.json]
     vlmfeed bench service [--max-actors N] [--samples N] [--out results.json]
     vlmfeed bench soak    [--minutes M] [--kill-every S]
     vlmfeed bench sizing  [SHARDS ...] [--probe-samples 64 128 256] [--seeds 8]
+    vlmfeed bench peers   data|train|all|duplication ...   against Megatron-Bridge's loader and Ray Data
 
 ``decode``: per-core decode / preprocess throughput against raw decode and the HF processors, and
 packing efficiency (``bench.decode``). ``service``: the Ray-streamed path with 1..N actors against
@@ -57,7 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+# ``peers`` feeds the trainer from the stock loaders too, so it lives with the trainer
+# (trainer.bench.peers): loaded by name only when chosen, as ``vlmfeed plan`` is, given the rest as it is.
+PEERS_MODULE = "trainer.bench.peers"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["peers"]:
+        import importlib
+
+        return int(importlib.import_module(PEERS_MODULE).main(argv[1:]) or 0)
     ap = _parser()
     args = ap.parse_args(argv)
 
