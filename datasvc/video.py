@@ -30,8 +30,10 @@ CPU_CODECS = ("vp8", "vp9", "mjpeg")
 """What DALI's CPU video decoder takes (libavcodec)."""
 VIDEO_STAGES = ("video_decode", "video_preprocess")
 """Stage timers counted per decoded frame; the same seconds are in ``decode`` and ``preprocess``."""
-GPU_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
-"""What DALI's mixed backend (NVDEC) takes; it refuses MJPEG (seen on an H200, DALI 2.4)."""
+GPU_CODECS = {"h264": (48, 16), "hevc": (144, 144), "vp8": (48, 16), "vp9": (128, 128), "av1": (128, 128),
+              "mpeg4": (48, 16)}
+"""What DALI's mixed backend (NVDEC) takes, with NVDEC's smallest width and height per codec; it
+refuses MJPEG, and a VP9 clip of 128x96 (both seen on an H200, DALI 2.4)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -324,12 +326,19 @@ class _DaliVideo:
                     results[i] = frames
             except RuntimeError:  # one bad video fails the batch: redo one by one to isolate it
                 for i in chunk:
-                    try:
-                        results[i] = self.run([plans[i]])[0]
-                    except RuntimeError as exc:
-                        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-                        results[i] = ImageRejected("video_corrupt", (lines[-1] if lines else "")[:200])
+                    results[i] = self._alone(plans[i])
         return results
+
+    def _alone(self, plan: VideoPlan) -> np.ndarray | ImageRejected:
+        """One video by itself, tried twice: the first run of a pipeline rebuilt after a failure
+        can fail with "pipeline object is no longer valid" (seen on the mixed backend)."""
+        for attempt in range(2):
+            try:
+                return self.run([plan])[0]
+            except RuntimeError as exc:
+                lines = [ln for ln in str(exc).splitlines() if ln.strip() and "no longer valid" not in ln]
+                detail = (lines[-1] if lines else str(exc).strip())[:200]
+        return ImageRejected("video_corrupt", detail)
 
 
 class VideoDecoder:
@@ -353,8 +362,9 @@ class VideoDecoder:
         return self._backends[kind]
 
     def route(self, header: VideoHeader) -> str | None:
-        """Which backend decodes this codec here: ``gpu``, ``cpu`` or None (none can)."""
-        if self.device_id is not None and header.codec in GPU_CODECS:
+        """Which backend decodes this video here: ``gpu``, ``cpu`` or None (none can)."""
+        least = GPU_CODECS.get(header.codec)
+        if self.device_id is not None and least and header.width >= least[0] and header.height >= least[1]:
             return "gpu"
         return "cpu" if header.codec in CPU_CODECS else None
 
@@ -364,7 +374,11 @@ class VideoDecoder:
         by_backend: dict[str, list[int]] = {}
         for i, plan in enumerate(plans):
             kind = self.route(plan.header)
-            if kind is None:
+            if kind is None and self.device_id is not None:
+                h = plan.header
+                results[i] = ImageRejected("video_too_small_for_nvdec", f"{h.codec} {h.width}x{h.height} is under "
+                                           f"NVDEC's {'x'.join(map(str, GPU_CODECS[h.codec]))}")
+            elif kind is None:
                 results[i] = ImageRejected("video_codec_needs_gpu",
                                            f"{plan.header.codec}: the CPU decoder takes {', '.join(CPU_CODECS)}")
             else:

@@ -420,8 +420,13 @@ def test_nvdec_decodes_the_sampled_frames_of_every_codec(clips, vision, video_de
 
     gpu = VideoDecoder(device_id=0)
     plans = {k: plan_video(clips[k], vision, SPEC) for k in ("vp9", "mjpeg", "h264")}
+    big_vp9 = plan_video(encode_clip(pan_zoom(_photo("astronaut"), 12, (144, 192)), fps=6), vision, SPEC)
+    # NVDEC takes H.264 and a VP9 of 192x144; the VP9 of 128x96 (under its 128x128) and MJPEG go to the CPU.
+    assert [gpu.route(p.header) for p in (*plans.values(), big_vp9)] == ["cpu", "cpu", "gpu", "gpu"]
     rows = dict(zip(plans, gpu.to_pixel_rows(list(plans.values()), vision)))
     assert all(isinstance(r, np.ndarray) for r in rows.values()), rows
+    on_gpu, on_cpu = gpu.to_pixel_rows([big_vp9], vision)[0], video_decoder.to_pixel_rows([big_vp9], vision)[0]
+    assert on_gpu.shape == on_cpu.shape and np.abs(on_gpu.astype(int) - on_cpu).mean() < 3
     assert rows["h264"].shape == (2 * 2 * 10 * 14, 768)
     for k in ("vp9", "mjpeg"):
         cpu = video_decoder.to_pixel_rows([plans[k]], vision)[0]
@@ -429,6 +434,20 @@ def test_nvdec_decodes_the_sampled_frames_of_every_codec(clips, vision, video_de
     values = to_video_pixel_values(torch.from_numpy(rows["h264"]).cuda(), vision, [plans["h264"].grid])
     assert values.is_cuda and values.shape == (2 * 10 * 14, 1536)
     assert np.abs(values.cpu().numpy() - to_video_pixel_values(rows["h264"], vision, [plans["h264"].grid])).max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_a_video_nvdec_fails_on_costs_only_itself(clips, vision):
+    import dataclasses
+
+    gpu = VideoDecoder(device_id=0)
+    good = plan_video(clips["h264"], vision, SPEC)
+    past_the_end = dataclasses.replace(good, indices=(0, 5, 99))  # the container holds 12 frames
+    out = gpu.to_pixel_rows([good, past_the_end, good, good], vision)
+    assert [type(r).__name__ for r in out] == ["ndarray", "ImageRejected", "ndarray", "ndarray"], out
+    assert np.array_equal(out[0], out[2]) and np.array_equal(out[0], out[3])
+    assert isinstance(gpu.to_pixel_rows([good], vision)[0], np.ndarray)  # and it goes on decoding
 
 
 @pytest.mark.gpu
