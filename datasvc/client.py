@@ -15,10 +15,11 @@ import weakref
 
 import numpy as np
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
+from datasvc.locality import release_budgets, this_node
 from datasvc.registry import get_layout
 from datasvc.rejects import Accounting
 from datasvc.service import DataServiceError, End, EndOfData, feeder_name, start_feeder
@@ -141,8 +142,9 @@ class DataClient:
                     break
         except ValueError:
             pass
-        # Non-detached actors die with their last handle: this client owns the new feeder.
-        self._owned_feeder = start_feeder(self.cfg, self.run, self.dp_rank, state)
+        # Non-detached actors die with their last handle: this client owns the new feeder. It goes on
+        # this client's node (the old one's node may be the one that was lost).
+        self._owned_feeder = start_feeder(self.cfg, self.run, self.dp_rank, state, node=this_node())
 
     def _await_feeder(self, start: dict) -> None:
         deadline = time.monotonic() + 120
@@ -159,6 +161,7 @@ class DataClient:
     # ---- background fetch ---------------------------------------------------------------------
     def _start(self) -> None:
         self._ahead = queue.Queue(maxsize=max(1, self.cfg.prefetch))
+        self._node = this_node()  # told to the feeder, which counts the bytes that cross nodes
         self._thread = threading.Thread(target=self._fetch_loop, name=f"client-{self.dp_rank}", daemon=True)
         self._thread.start()
 
@@ -169,18 +172,18 @@ class DataClient:
         step = self._next_step
         try:
             while not self._halt.is_set():
-                reply = self._call_next(step)
+                reply = self._fetch(step)
                 if isinstance(reply[0], End):
                     end = reply[0]
                     if end.error:
                         raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {end.error}")
                     raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
                                     f"{end.steps} micro-batches; raise epochs or lower train_iters")
-                ref, pos = reply
+                packed, pos = reply
                 t0 = time.perf_counter()
-                batch = self._materialize(ray.get(ref))
+                batch = self._materialize(packed)
                 self.transfer_s += time.perf_counter() - t0
-                del ref
+                del packed
                 self._fetched_pos = pos
                 step += 1
                 self._next_step = step
@@ -194,10 +197,28 @@ class DataClient:
             if not self._halt.is_set():  # a halted client has no reader left to take it
                 self._ahead.put(exc)
 
+    def _fetch(self, step: int) -> list:
+        """``[PackedBatch, position]`` of ``step``, or ``[End]``. A micro-batch whose feeder died after
+        handing out its ref (with its node, say) is lost with it: the feeder restarts and makes it again."""
+        for attempt in range(3):
+            reply = self._call_next(step)
+            if isinstance(reply[0], End):
+                return reply
+            t0 = time.perf_counter()
+            try:
+                return [ray.get(reply[0]), reply[1]]
+            except ObjectLostError as exc:  # OwnerDiedError among them
+                if self._halt.is_set() or attempt == 2:
+                    raise DataServiceError(f"micro-batch {step} of dp_rank {self.dp_rank} was lost: {exc}") from exc
+                self._recover_feeder()
+            finally:
+                self.transfer_s += time.perf_counter() - t0
+        raise AssertionError("unreachable")
+
     def _call_next(self, step: int) -> list:
         for attempt in range(3):
             try:
-                return ray.get(self._feeder().next_batch.remote(self.consumer, step))
+                return ray.get(self._feeder().next_batch.remote(self.consumer, step, self._node))
             except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
                 if self._halt.is_set():  # the service was shut down: the feeder is meant to be gone
                     raise DataServiceError(f"client of dp_rank {self.dp_rank} was halted") from exc
@@ -249,9 +270,11 @@ class DataClient:
 
 
 class DataService:
-    """Starts one feeder per DP rank; hands out per-rank clients; aggregates stats."""
+    """Starts one feeder per DP rank (on ``nodes[rank]``, the node of the ranks it feeds, when given and
+    it fits there); hands out per-rank clients; aggregates stats."""
 
-    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None):
+    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None,
+                 nodes: dict[int, str] | None = None):
         expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
         try:  # fail fast, in the driver, on an unknown pipeline or option
             get_layout(cfg.pipeline, **cfg.pipeline_options)
@@ -259,7 +282,8 @@ class DataService:
             raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
         self.cfg = cfg
         self.run = run
-        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r)) for r in range(cfg.dp_size)]
+        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r), (nodes or {}).get(r))
+                        for r in range(cfg.dp_size)]
         self._clients: weakref.WeakSet = weakref.WeakSet()
 
     def client(self, dp_rank: int, consumer: int = 0, **kwargs) -> DataClient:
@@ -268,7 +292,7 @@ class DataService:
         return client
 
     def stats(self) -> dict:
-        per_rank = ray.get([f.stats.remote() for f in self.feeders])
+        per_rank = ray.get([self._live_feeder(r).stats.remote() for r in range(self.cfg.dp_size)])
         total = Accounting()
         for s in per_rank:
             a = s["accounting"]
@@ -277,7 +301,15 @@ class DataService:
             total.quarantined.update(a["quarantined"])
             total.skipped_by_rule.update(a["skipped_by_rule"])
             total.ignored_members.update(a["ignored_members"])
-        return {"ranks": per_rank, "accounting": total.as_dict()}
+        moved = {k: sum(s[k] for s in per_rank) for k in ("bytes_same_node", "bytes_cross_node")}
+        return {"ranks": per_rank, "accounting": total.as_dict(), **moved}
+
+    def _live_feeder(self, rank: int):
+        """The feeder of ``rank`` now (a client may have restarted it since this service started it)."""
+        try:
+            return ray.get_actor(feeder_name(self.run, rank))
+        except ValueError:
+            return self.feeders[rank]
 
     def shutdown(self) -> None:
         # Halt this service's clients first: a client whose call fails on a killed feeder would
@@ -293,3 +325,4 @@ class DataService:
             ray.kill(f)
         for c in clients:
             c.close()
+        release_budgets(self.run)

@@ -46,6 +46,9 @@ class ServiceConfig:
     min_actors: int = 1
     max_actors: int = 2
     """Preprocessing actors per data-parallel rank, autoscaled between these."""
+    node_data_cpus: int | None = None
+    """CPUs of one node that the preprocessing actors of all feeders on it may hold together (each
+    feeder's ``min_actors`` always start). None: the node's CPUs less one per GPU (the trainer ranks')."""
     max_batches_ahead: int = 4
     max_bytes_ahead: int = 1 << 30
     """Per DP rank: produced-but-unconsumed micro-batches are bounded by both."""
@@ -105,6 +108,9 @@ class ServiceConfig:
             problems.append("dp_size and consumers_per_replica must be >= 1")
         if not 1 <= self.min_actors <= self.max_actors:
             problems.append(f"need 1 <= min_actors ({self.min_actors}) <= max_actors ({self.max_actors})")
+        if self.node_data_cpus is not None and self.node_data_cpus < 1:
+            problems.append(f"node_data_cpus must be >= 1 or None (the node's CPUs less its GPUs), "
+                            f"not {self.node_data_cpus}")
         if self.max_batches_ahead < 1:
             problems.append("max_batches_ahead must be >= 1")
         if self.samples_per_item < 1 or self.items_per_block < 1:

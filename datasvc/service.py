@@ -25,6 +25,7 @@ from datasvc.config import ServiceConfig
 from datasvc.plan import Position
 from datasvc.process import ItemProcessor, ItemResult, WorkItem
 from datasvc.balanced import BalancedProducer
+from datasvc.locality import NodeShare, near
 from datasvc.producer import BlockProducer, DataServiceError, EndOfData, check_dataset  # noqa: F401  (errors)
 from datasvc.recovery import FaultInjection, Recovery, Task
 from datasvc.stats import QueueStats
@@ -78,9 +79,8 @@ class _Pool:
     # pipeline option) would be too, so this many failures in a row, with no start between, are fatal.
     MAX_START_FAILURES = 5
 
-    def __init__(self, cfg: ServiceConfig, rank: int):
-        self.cfg = cfg
-        self.rank = rank
+    def __init__(self, cfg: ServiceConfig, rank: int, place: NodeShare | None = None):
+        self.cfg, self.rank, self.place = cfg, rank, place  # place: its node, and that node's CPU budget
         self.actors: list = []  # started, assignable
         self.starting: dict = {}  # ready ref -> (actor, when asked for)
         self.retiring: list = []
@@ -101,7 +101,7 @@ class _Pool:
         opts = {"num_cpus": self.cfg.decode_threads}
         if self.cfg.decode == "gpu":
             opts["num_gpus"] = self.cfg.decode_gpu_share
-        return PreprocessActor.options(**opts).remote(self.cfg)
+        return PreprocessActor.options(**opts, **near(getattr(self.place, "node", None))).remote(self.cfg)
 
     def grow(self) -> None:
         with self.lock:
@@ -246,11 +246,10 @@ class Feeder:
     """One data-parallel rank's stream: a ``BlockProducer`` over this feeder's pool, its micro-batches
     put in the object store and held, bounded, until every consumer of the replica took them."""
 
-    def __init__(self, cfg: ServiceConfig, rank: int, start: dict | None = None):
+    def __init__(self, cfg: ServiceConfig, rank: int, start: dict | None = None, run: str = "vlmfeed"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        self.cfg = cfg
-        self.rank = rank
-        self.pool = _Pool(cfg, rank)
+        self.cfg, self.rank = cfg, rank
+        self.pool = _Pool(cfg, rank, NodeShare(run, rank, cfg))  # its actors beside it, within the node's budget
         try:
             # balance_dp: this feeder plans every rank's micro-batches and decodes only its share.
             self.producer = (BalancedProducer if cfg.balance_dp else BlockProducer)(cfg, rank, start, self.pool)
@@ -277,8 +276,8 @@ class Feeder:
         self._scaler.start()
 
     # ---- consumer side -------------------------------------------------------------------------
-    def next_batch(self, consumer: int, step: int) -> list:
-        """``[ref, position]`` of micro-batch ``step``, or ``[End]`` after the last one."""
+    def next_batch(self, consumer: int, step: int, node: str = "") -> list:
+        """``[ref, position]`` of micro-batch ``step`` (``node``: the consumer's), or ``[End]`` after the last one."""
         t0 = time.perf_counter()
         with self.cond:
             if step not in self.queue:
@@ -293,6 +292,7 @@ class Feeder:
                 return [self.end]
             ref, pos, nbytes, taken = self.queue[step]
             taken.add(consumer)
+            self.pool.place.handed(node, nbytes)
             if len(taken) >= self.cfg.consumers_per_replica:
                 del self.queue[step]
                 self.queue_stats.get()
@@ -316,7 +316,7 @@ class Feeder:
                 "items_in_flight": len(self.pool.in_flight),
                 "consumer_wait_s": round(self.consumer_wait_s, 3),
                 "producer_blocked_s": round(self._blocked_total(), 3),
-                "autoscale_decisions": list(self.decisions),
+                "autoscale_decisions": list(self.decisions), **self.pool.place.as_dict(),
                 "dataset": self.producer.plan.dataset,
                 "done": self.end is not None,
                 "error": self.end.error if self.end else "",
@@ -403,11 +403,12 @@ class Feeder:
     def _autoscale(self, waited: float, blocked: float, interval: float) -> None:
         n = self.pool.size
         action, reason = None, ""
-        if waited > 0.1 * interval and n < self.cfg.max_actors:
+        if waited > 0.1 * interval and n < self.cfg.max_actors and self.pool.place.take():
             self.pool.grow()
             action, reason = "up", f"consumers waited {waited:.2f}s of {interval:.2f}s for data"
         elif blocked > 0.5 * interval and waited < 0.02 * interval and n > self.cfg.min_actors:
             self.pool.shrink()
+            self.pool.place.give()
             action, reason = "down", f"producer blocked {blocked:.2f}s of {interval:.2f}s on a full queue"
         if action:
             d = {"time": time.time(), "action": action, "actors": self.pool.size, "reason": reason}
@@ -419,8 +420,8 @@ def feeder_name(run: str, rank: int) -> str:
     return f"{run}-feeder-{rank}"
 
 
-def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = None):
-    """The feeder of ``rank``, named for ``run``; from a saved loader state when given."""
+def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = None, node: str | None = None):
+    """The feeder of ``rank``, named for ``run``, on ``node`` if it fits; from a saved loader state if given."""
     start = None
     if state:
         if state.get("fingerprint") != cfg.fingerprint():
@@ -429,4 +430,5 @@ def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = N
                                    "...); restore with the same one")
         check_dataset(cfg, state.get("dataset"))
         start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
-    return Feeder.options(name=feeder_name(run, rank)).remote(cfg, rank, start)
+    return Feeder.options(name=feeder_name(run, rank), **near(node, True)).remote(cfg, rank, start, run)  # num_cpus=0
+

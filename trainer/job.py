@@ -246,8 +246,8 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
     # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
     group = WorkerGroup(world, use_gpu=job.backend == "megatron", gpu_per_rank=job.gpu_per_rank,
                         env=rank_env(cfg.train.expandable_segments))
-    try:
-        service = DataService(job.data_cfg, run=job.run)
+    try:  # each DP rank's feeder and actors on the node of its ranks, so batches stay on the node
+        service = DataService(job.data_cfg, run=job.run, nodes=data_nodes(job, group.node_ids))
     except BaseException:
         group.shutdown()
         raise
@@ -262,6 +262,16 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
         group.shutdown()
         service.shutdown()
     return next((r for r in results if r), []), data_stats, time.time() - t0
+
+
+def data_nodes(job: Job, rank_nodes: list[str]) -> dict[int, str]:
+    """Each DP rank's node: where most trainer ranks of that replica are."""
+    from datasvc.locality import replica_nodes
+    from trainer.workers import RankLayout
+
+    p = job.cfg.parallel
+    dp_ranks = [RankLayout(r, job.world, p.tp, p.cp, p.pp).dp_rank for r in range(job.world)]
+    return replica_nodes(rank_nodes, dp_ranks)
 
 
 def rank_main(backend, cfg, data_cfg, run, layout, metrics_path):

@@ -53,8 +53,10 @@ class RankLayout:
 
 @ray.remote
 class TrainerWorker:
-    def node_info(self) -> tuple[str, list[int]]:
-        return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+    def node_info(self) -> tuple[str, list[int], str]:
+        """(node address, GPU ids, Ray node id)."""
+        return (ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()],
+                ray.get_runtime_context().get_node_id())
 
     def free_port(self) -> int:
         for port in range(*PORT_RANGE):
@@ -98,6 +100,7 @@ class WorkerGroup:
         order = sorted(range(world), key=lambda i: (infos[i][0], infos[i][1]))
         self.actors = [actors[i] for i in order]
         nodes = [infos[i][0] for i in order]
+        self.node_ids = [infos[i][2] for i in order]  # rank r's Ray node: where its data is placed
         master_addr = nodes[0]
         master_port = ray.get(self.actors[0].free_port.remote())
         local = [nodes[:r].count(nodes[r]) for r in range(world)]
