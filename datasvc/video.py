@@ -95,6 +95,25 @@ def _iso_cut(data: bytes) -> bool:
     return pos != len(data)
 
 
+def _iso_rotation(data: bytes) -> float:
+    """Degrees of the first track header (``tkhd``) whose display matrix is not the identity; 0.0
+    when every track's is (or the file is not ISO boxes)."""
+    if data[4:8] not in (b"ftyp", b"wide", b"free", b"mdat", b"moov"):
+        return 0.0
+    at = data.find(b"tkhd")
+    while at >= 4:
+        version = data[at + 4]
+        # version/flags, times, track id, reserved, duration, reserved, layer, group, volume, reserved
+        matrix_at = at + 8 + (32 if version == 1 else 20) + 16
+        if matrix_at + 36 <= len(data):
+            a, b, _u, c, d = (int.from_bytes(data[matrix_at + 4 * k:matrix_at + 4 * k + 4], "big", signed=True)
+                              for k in range(5))
+            if (a, b, c, d) != (65536, 0, 0, 65536):
+                return math.degrees(math.atan2(b, a)) if (a or b) else 0.0
+        at = data.find(b"tkhd", at + 4)
+    return 0.0
+
+
 def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
     """Codec, size, frame count and rate from the container alone; ``ImageRejected`` (a counted
     reason) for what no decoder should be handed."""
@@ -104,6 +123,10 @@ def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
         raise ImageRejected("video_empty", "zero-length video member")
     if _iso_cut(data):
         raise ImageRejected("video_truncated", "an MP4 box runs past the end of the file")
+    if rotation := _iso_rotation(data):
+        # The processor trains on frames as stored; a display matrix would make grids and pixels
+        # disagree with what a viewer shows, so such a video is counted, not guessed at.
+        raise ImageRejected("video_rotated", f"display matrix rotates {rotation:g} degrees")
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except Exception as exc:

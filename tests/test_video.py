@@ -43,7 +43,7 @@ def pan_zoom(photo: np.ndarray, frames: int, size: tuple[int, int]) -> list[np.n
 
 
 def encode_clip(frames: list[np.ndarray], fps: int, codec: str = "libvpx-vp9", fmt: str = "webm",
-                pts: list[int] | None = None) -> bytes:
+                pts: list[int] | None = None, rotation: int = 0) -> bytes:
     """Frames encoded by a real FFmpeg encoder; ``pts`` (in 1/1000 s) for a variable frame rate."""
     from fractions import Fraction
 
@@ -56,6 +56,8 @@ def encode_clip(frames: list[np.ndarray], fps: int, codec: str = "libvpx-vp9", f
             s.options = {"deadline": "realtime", "cpu-used": "8"}
         if pts is not None:
             s.codec_context.time_base = Fraction(1, 1000)
+        if rotation:
+            s.set_display_rotation(rotation)  # the display matrix of a phone held upright
         for k, f in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(f, format="rgb24")
             if pts is not None:
@@ -303,13 +305,16 @@ def test_video_shards_become_samples_and_bad_videos_are_counted(tmp_path, clips,
         ("ffv1.txt", b"a codec no decoder here takes"),
         ("h264.mp4", clips["h264"]), ("h264.txt", b"H.264 needs NVDEC"),
         ("vfr.mkv", vfr), ("vfr.txt", b"frames at irregular times"),
+        ("rotated.mp4", encode_clip(pan_zoom(astro, 8, (96, 128)), fps=8, codec="libx264", fmt="mp4", rotation=90)),
+        ("rotated.txt", b"a display matrix"),
         ("count.mkv", clips["mjpeg"]), ("count.json", _llava("<video> twice?")),
     ]
     res, reasons = _run(write_tar(tmp_path / "videos.tar", members), qwen3vl, cpu_decoder)
     assert reasons == {"empty": "video_empty", "cut": "video_truncated", "cutwebm": "video_truncated",
                        "junk": "video_corrupt", "audio": "video_no_video_stream",
                        "ffv1": "video_unsupported_codec", "h264": "video_codec_needs_gpu",
-                       "vfr": "video_variable_frame_rate", "count": "video_count_mismatch"}
+                       "vfr": "video_variable_frame_rate", "count": "video_count_mismatch",
+                       "rotated": "video_rotated"}
     by_key = {s.key: s for s in res.samples}
     assert sorted(by_key) == ["cap", "llava", "mixed"]
     assert by_key["cap"].video_grid_thw.tolist() == [[3, 10, 12]] and by_key["cap"].video_pixels.shape == (720, 768)
