@@ -71,9 +71,22 @@ class HeaderProcessor:
                 acct.reject(raw.shard, raw.key, getattr(exc, "reason", "encode_error"), getattr(exc, "detail", ""))
                 continue
             patches = sum(t * h * w for t, h, w in grids)
+            videos = self._video_grids(raw)
             out.append(EncodedSample(raw.key, raw.shard, ids, labels, np.zeros((patches, 0), np.uint8),
-                                     np.asarray(grids, np.int64).reshape(-1, 3)))
+                                     np.asarray(grids, np.int64).reshape(-1, 3),
+                                     video_pixels=np.zeros((sum(t * h * w for t, h, w in videos), 0), np.uint8),
+                                     video_grid_thw=np.asarray(videos, np.int64).reshape(-1, 3)))
         return ItemResult(item.item_id, out, acct, StageTimes())
+
+
+    def _video_grids(self, raw) -> list[tuple[int, int, int]]:
+        """Each video's grid from its container headers (frames chosen and sized, none decoded)."""
+        video = getattr(self.pipeline, "video", None)
+        if not raw.videos or video is None:  # encode_from_headers already rejected videos it cannot take
+            return []
+        from datasvc.video import plan_video
+
+        return [tuple(plan_video(data, self.pipeline.vision, video).grid) for _ext, data in raw.videos]
 
 
 class BalancedProducer:
@@ -215,6 +228,12 @@ class BalancedProducer:
             for key, row in zip(batch.sample_keys, batch.sample_rows.tolist()):
                 if key in encoded:
                     rows[row].append(encoded[key])
+            for row in rows:  # headers and pixels disagree on a sample's length: it waits out this row
+                while sum(x.num_tokens for x in row) > self.packing.seq_len:
+                    late = row.pop()
+                    with self._lock:
+                        self.acct.reject(late.shard, late.key, "length_changed_after_planning",
+                                         f"{late.num_tokens} tokens decoded; its header-planned row is full")
             out.append(merge(rows, self.packing, self.spec.patch_dim))
         return out
 
