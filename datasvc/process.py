@@ -21,7 +21,8 @@ from datasvc.rejects import Accounting
 from datasvc.shards import ReadLimits, SampleIndex, read_samples
 from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where callers looked for it)
 from datasvc.text import SampleRejected
-from datasvc.video import VideoDecoder, decode_sample_videos, plan_video
+from datasvc.video import plan_video
+from datasvc.videodecode import VideoDecoder, decode_sample_videos
 from datasvc.vision import ImageRejected
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,9 @@ import pytest
 av = pytest.importorskip("av")
 
 from datasvc.samples import real_photos  # noqa: E402
-from datasvc.video import (VideoDecoder, VideoSpec, group_timestamps, plan_video, probe_video,  # noqa: E402
+from datasvc.video import (VideoSpec, group_timestamps, plan_video, probe_video,  # noqa: E402
                            sample_frame_indices, to_video_pixel_values, video_target_size)
+from datasvc.videodecode import VideoDecoder  # noqa: E402
 from datasvc.vision import ImageRejected  # noqa: E402
 
 
