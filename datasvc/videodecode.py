@@ -129,25 +129,30 @@ class VideoDecoder:
 
     def to_pixel_rows(self, plans: list[VideoPlan], vision: VisionSpec,
                       timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        """Each planned video's uint8 rows (``frames_to_rows``), or why it failed."""
-        t0 = time.perf_counter()
-        decoded = self.decode_frames(plans)
-        t1 = time.perf_counter()
-        out = []
-        for plan, frames in zip(plans, decoded):
-            if isinstance(frames, ImageRejected):
-                out.append(frames)
-                continue
-            try:
-                out.append(frames_to_rows(frames, plan, vision))
-            except ImageRejected as exc:
-                out.append(exc)
+        """Each planned video's uint8 rows (``frames_to_rows``), or why it failed. At most
+        ``max_batch`` videos' stored frames are held at once: each batch is resized before the next
+        is decoded."""
+        out, decode_s, resize_s = [], 0.0, 0.0
+        for start in range(0, len(plans), self.max_batch):
+            batch = plans[start:start + self.max_batch]
+            t0 = time.perf_counter()
+            decoded = self.decode_frames(batch)
+            t1 = time.perf_counter()
+            for plan, frames in zip(batch, decoded):
+                if isinstance(frames, ImageRejected):
+                    out.append(frames)
+                    continue
+                try:
+                    out.append(frames_to_rows(frames, plan, vision))
+                except ImageRejected as exc:
+                    out.append(exc)
+            decode_s, resize_s = decode_s + t1 - t0, resize_s + time.perf_counter() - t1
         if timer:  # the actor's decode and preprocess stages, and the same time per video frame
-            frames, t2 = sum(len(p.indices) for p in plans), time.perf_counter()
-            timer("decode", t1 - t0, 0)
-            timer("preprocess", t2 - t1, 0)
-            timer(VIDEO_STAGES[0], t1 - t0, frames)
-            timer(VIDEO_STAGES[1], t2 - t1, frames)
+            frames = sum(len(p.indices) for p in plans)
+            timer("decode", decode_s, 0)
+            timer("preprocess", resize_s, 0)
+            timer(VIDEO_STAGES[0], decode_s, frames)
+            timer(VIDEO_STAGES[1], resize_s, frames)
         return out
 
 
