@@ -117,6 +117,7 @@ def actor_node(handle) -> str:
     return ray._private.state.actors(handle._actor_id.hex())["Address"]["NodeID"]
 
 
+@pytest.mark.slow  # three raylets and five actor processes: 60-110 s on two busy cores
 def test_feeders_beside_their_ranks_and_a_lost_node(photo_shards, cluster):
     """Rank 0 trains on n1 while its feeder was put on n2 (its batches cross nodes and are counted);
     rank 1 and its feeder share the head. n2 is removed mid-epoch: rank 0's client restarts the feeder
@@ -192,6 +193,7 @@ HEAD_LOSS_DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two clusters one after the other: about 80 s on two busy cores
 def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp_dir):
     """The head dies under a running driver: the driver stops with an error that names the cause;
     a new cluster resumes from the state the driver saved, and the stream continues exactly."""
@@ -217,7 +219,8 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
             driver.kill()
         c.shutdown()
     assert driver.returncode != 0
-    assert "GCS" in log or "CLIENT-ERROR" in log, log[-3000:]
+    # Ray ends a process whose GCS stays unreachable, naming the cause (no Python error reaches us).
+    assert "Failed to connect to GCS" in log and "The program will terminate" in log, log[-3000:]
     saved = json.load(open(out))
     assert saved["got"] == ref[:3]
 
