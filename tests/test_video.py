@@ -490,3 +490,53 @@ def test_the_profiler_counts_video_tokens_and_time_per_frame(tmp_path, clips, qw
     video = _video_report(tally, _stage_diff({}, times, VIDEO_STAGES))
     assert video["frames_decoded"] == 5 + 4 and video["decode_ms_per_frame"] > 0
     assert times["decode"]["seconds"] >= times["video_decode"]["seconds"]  # the actor's stage holds it too
+
+
+def test_packed_mrope_of_videos_matches_each_sample_alone_and_the_hf_model(tmp_path, clips, qwen3vl, cpu_decoder):
+    """Megatron-Bridge's rope index over a packed row (THD) with video samples: positions restart
+    per sample and equal the sample run alone, and equal transformers' Qwen3-VL model's own index."""
+    pytest.importorskip("megatron.bridge")
+    import torch
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
+
+    from datasvc.packing import PackingConfig, pack
+    from datasvc.samples import encode_image
+    from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
+    from trainer.megatron.thd import mrope_position_ids, pack_thd
+
+    members = [("a.webm", clips["vp9"]), ("a.txt", b"A pan."), ("b.jpg", encode_image(_photo("coffee"))),
+               ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup, twice."), ("c.jpg", encode_image(_photo("chelsea"))),
+               ("c.txt", b"A cat.")]
+    res, reasons = _run(write_tar(tmp_path / "rope.tar", members), qwen3vl, cpu_decoder)
+    assert not reasons
+    (b,), _ = pack(res.samples, PackingConfig(seq_len=4096, micro_batch_size=1, pad_id=qwen3vl.pad_id), 768)
+    t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
+         ("tokens", "labels", "loss_mask", "cu_seqlens", "num_samples", "image_grid_thw", "video_grid_thw")}
+    packed = pack_thd(t["tokens"], t["labels"], t["loss_mask"], t["cu_seqlens"], t["num_samples"])
+    pos = mrope_position_ids(packed, t["image_grid_thw"], 2, t["video_grid_thw"])
+    by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
+    hf = build_model(CpuModelConfig(), seed=0).model
+    for (a, e), key in zip(packed.sample_spans, b.sample_keys):
+        s = by_key[key]
+        ids = torch.from_numpy(s.input_ids.astype(np.int64))[None]
+        images = torch.from_numpy(s.image_grid_thw) if len(s.image_grid_thw) else None
+        videos = torch.from_numpy(s.video_grid_thw) if len(s.video_grid_thw) else None
+        alone, _ = get_rope_index(2, IMAGE_PAD, VIDEO_PAD, VS, ids, image_grid_thw=images,
+                                  video_grid_thw=None if videos is None else videos.clone())
+        assert torch.equal(pos[:, 0, a:e], alone[:, 0]), key
+        kinds = (ids == IMAGE_PAD).long() + 2 * (ids == VIDEO_PAD).long()
+        theirs, _ = hf.get_rope_index(ids, kinds, images, videos)
+        assert torch.equal(alone[:, 0], theirs[:, 0]), key
+
+
+def test_token_rows_from_headers_equal_the_decoded_samples(tmp_path, clips, qwen3vl, cpu_decoder):
+    """What packing plans from container headers alone is what decoding delivers."""
+    from datasvc.process import encode_from_headers
+    from datasvc.shards import ReadLimits, index_shard, read_samples
+
+    path = write_tar(tmp_path / "headers.tar", [("a.webm", clips["vp9"]), ("a.json", _llava("Where to?")),
+                                                ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup.")])
+    res, _ = _run(path, qwen3vl, cpu_decoder)
+    for raw, sample in zip(read_samples(path, index_shard(path).samples, ReadLimits()), res.samples):
+        ids, labels, _grids = encode_from_headers(raw, qwen3vl)
+        assert ids.tolist() == sample.input_ids.tolist() and labels.tolist() == sample.labels.tolist()
