@@ -115,7 +115,10 @@ def _iso_rotation(data: bytes) -> float:
 def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
     """Codec, size, frame count and rate from the container alone; ``ImageRejected`` (a counted
     reason) for what no decoder should be handed."""
-    import av
+    try:
+        import av
+    except ImportError:
+        raise RuntimeError("video samples need PyAV to read their containers: pip install av") from None
 
     if not data:
         raise ImageRejected("video_empty", "zero-length video member")

@@ -175,6 +175,8 @@ def decode_sample_videos(raws: list, problems: list, vision: VisionSpec, spec: V
             plans[si] = mine
         except ImageRejected as exc:
             problems[si] = (exc.reason, exc.detail, "decode")
+        except RuntimeError:  # PyAV missing: the installation's fault, not the sample's
+            raise
         except Exception as exc:  # whatever a container does, it costs its sample alone
             problems[si] = ("video_corrupt", f"{type(exc).__name__}: {exc}"[:200], "decode")
     if timer:
