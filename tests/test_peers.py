@@ -1,6 +1,7 @@
 """The peer data paths of ``vlmfeed bench peers`` (Megatron-Bridge's own loader, Ray Data, vlmfeed)
 each yield micro-batches in the rank's contract on CPU, on real shards with real Ray, so the GPU
 benchmark cannot rot between GPU runs; and the meter counts the CPU of a process tree."""
+import dataclasses
 import subprocess
 import sys
 
@@ -139,3 +140,23 @@ def test_peers_command_parses_every_subcommand():
     for argv in (["data", "--cores", "2"], ["train", "--mbs-list", "2", "4"], ["all"], ["duplication"],
                  ["train-one", "--path", "ray-data", "--json", "x.json"]):
         assert ap.parse_args(argv).cmd == argv[0]
+
+
+@pytest.mark.parametrize("path", ["megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu"])
+def test_each_training_case_is_a_valid_trainer_job(path, setting):
+    """The GPU cases' trainer options parse and validate as ``trainer.run``'s, with the stock step
+    (padded rows) for the peers and packed rows for vlmfeed."""
+    from trainer.bench.peers import _parser
+    from trainer.bench.peers_train import trainer_argv
+    from trainer.config import from_args
+    from trainer.run import parse_args
+
+    args = _parser().parse_args(["train-one", "--path", path, "--json", "x.json", "--mbs", "4"])
+    setting = dataclasses.replace(setting, mbs=4)
+    targs = parse_args(trainer_argv(args, setting, path, "out"))
+    cfg = from_args(targs)
+    cfg.validate(1)
+    assert cfg.train.padded == (not path.startswith("vlmfeed"))
+    assert (targs.decode == "gpu") == (path == "vlmfeed-gpu")
+    assert targs.max_pixels == setting.max_pixels and cfg.train.seq_len == setting.seq_len
+    assert cfg.recompute.granularity == "full"  # MBS 4 takes the memory settings of trainer.bench.cases

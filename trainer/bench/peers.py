@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from trainer.bench.peers_data import STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
-from trainer.bench.peers_measure import Clock, ProcessTreeMeter, mean_se, ratio
+from trainer.bench.peers_measure import Clock, ProcessTreeMeter, ratio
 
 PATHS = ("megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
 BASELINE = "vlmfeed-cpu"
@@ -104,11 +104,13 @@ def _pad_id(setting: PeerSetting) -> int:
 # ------------------------------------------------------------------------------------------------
 # The data path alone
 # ------------------------------------------------------------------------------------------------
-def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, workers: int, samples: int) -> dict:
+def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, workers: int, samples: int,
+               report: str | None = None) -> dict:
     """Drain one path in this process, pinned to ``cores`` cores: time to the first micro-batch;
     then, past a warm-up that outlasts the path's read-ahead (``buffered_samples``: vlmfeed holds
     up to three packed blocks), samples/s and tree CPU-s per sample over ``samples`` samples
-    (per-batch marks, five block means for the errors); peak tree RSS."""
+    (totals over totals; errors from five blocks of batches); peak tree RSS. The report is written
+    to ``report`` before teardown."""
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
     meter = ProcessTreeMeter().start()
     t0 = time.perf_counter()
@@ -135,20 +137,27 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
             clock.mark(n)
         wall = clock.marks[-1][0] - clock.marks[0][0]
         cpu = {k: v - start_cpu[k] for k, v in meter.cpu_s().items()}
+        sps, cps = clock.block_rates()
+        rep = {"path": name, "cores": cores, "workers": workers, "warmup_samples": warm, "samples": n,
+               "micro_batches": len(real), "time_to_first_batch_s": round(t_first, 2), "wall_s": round(wall, 2),
+               "samples_per_s": round(n / wall, 3), "samples_per_s_blocks": list(sps),
+               "cpu_s_per_sample": round(cpu["total"] / n, 4), "cpu_s_per_sample_blocks": list(cps),
+               # Without the consumer: on a GPU host vlmfeed's rank expands pixel rows on its GPU, and the
+               # padded peers' consumer only pads rows; the consumer's share is its own figure.
+               "cpu_s_per_sample_without_consumer": round((cpu["total"] - cpu["driver"]) / n, 4),
+               "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
+               "real_token_fraction": round(sum(real) / len(real), 4), "peak_rss_gib": round(meter.peak_rss_gib, 3)}
+        if report:  # written before teardown: a process that fails after it still counts
+            with open(report, "w") as f:
+                json.dump(rep, f, indent=1)
     finally:
-        path.close()
         meter.stop()
-        _stop_ray(ray_tmp)
-    sps, cps = clock.block_rates()
-    return {"path": name, "cores": cores, "workers": workers, "warmup_samples": warm, "samples": n,
-            "micro_batches": len(real), "time_to_first_batch_s": round(t_first, 2), "wall_s": round(wall, 2),
-            "samples_per_s": round(n / wall, 3), "samples_per_s_blocks": list(mean_se(sps)),
-            "cpu_s_per_sample": round(cpu["total"] / n, 4), "cpu_s_per_sample_blocks": list(mean_se(cps)),
-            # Without the consumer: on a GPU host vlmfeed's rank expands pixel rows on its GPU, and the
-            # padded peers' consumer only pads rows; the consumer's share is its own figure.
-            "cpu_s_per_sample_without_consumer": round((cpu["total"] - cpu["driver"]) / n, 4),
-            "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
-            "real_token_fraction": round(sum(real) / len(real), 4), "peak_rss_gib": round(meter.peak_rss_gib, 3)}
+        try:  # a teardown that fails costs nothing measured
+            path.close()
+            _stop_ray(ray_tmp)
+        except Exception as exc:  # noqa: BLE001
+            print(f"[peers] {name}: teardown: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return rep
 
 
 def _real_fraction(batch: dict) -> float:
@@ -181,9 +190,14 @@ def data_all(args) -> dict:
             if args.workers:
                 cmd += ["--workers", str(args.workers)]
             print(f"[peers] data alone: {name} on {args.cores} cores", flush=True)
-            rc = subprocess.run(cmd, timeout=args.case_timeout).returncode
-            results[name] = json.load(open(out.name)) if rc == 0 and os.path.getsize(out.name) else \
-                {"path": name, "rc": rc}
+            try:
+                rc = subprocess.run(cmd, timeout=args.case_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            # The report is written before teardown: a process that fails after it still counts.
+            results[name] = json.load(open(out.name)) if os.path.getsize(out.name) else {"path": name}
+            if rc != 0:
+                results[name]["rc"] = rc
         print(f"[peers] {name}: " + json.dumps({k: results[name].get(k) for k in (
             "samples_per_s", "cpu_s_per_sample", "time_to_first_batch_s", "peak_rss_gib", "rc")}), flush=True)
     base = results.get(BASELINE, {})
@@ -276,7 +290,8 @@ def _work_dir(args) -> str:
 
     from datasvc.samples import cache_dir
 
-    key = hashlib.sha1(json.dumps(_setting_dict(args) | {"s": list(_setting(args).shards)}).encode()).hexdigest()
+    s = _setting(args)  # the conversion and the processor depend on the shards and pixel limits only
+    key = hashlib.sha1(json.dumps([list(s.shards), s.min_pixels, s.max_pixels]).encode()).hexdigest()
     return cache_dir("peers", key[:12])
 
 
@@ -293,7 +308,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--samples", type=int, default=96)
         p.add_argument("--case-timeout", type=int, default=900)
         p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench-peers.json"))
-        p.set_defaults(large=False)
+        # The bundled photos as 384 distinct crops: one epoch outlasts every path's warm-up, so no
+        # path pays an epoch restart (Ray Data re-runs its whole dataset, actors included) inside it.
+        p.set_defaults(large=True)
     one = sub.add_parser("data-one", help="one path alone, in this process (what `data` runs per path)")
     _add_setting(one)
     one.add_argument("--path", required=True, choices=PATHS)
@@ -301,6 +318,7 @@ def _parser() -> argparse.ArgumentParser:
     one.add_argument("--workers", type=int, default=None)
     one.add_argument("--samples", type=int, default=96)
     one.add_argument("--json", required=True)
+    one.set_defaults(large=True)
     sub.add_parser("duplication", help="the stock path's repeated preprocessing per layout")
     from trainer.bench.peers_train import add_train_parsers
 
@@ -320,10 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(duplication(), indent=1))
         return 0
     if args.cmd == "data-one":
-        rep = data_alone(args.path, _setting(args), _work_dir(args), cores=args.cores,
-                         workers=default_workers(args.path, args.cores, args.workers), samples=args.samples)
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=1)
+        data_alone(args.path, _setting(args), _work_dir(args), cores=args.cores,
+                   workers=default_workers(args.path, args.cores, args.workers), samples=args.samples,
+                   report=args.json)
         return 0
     if args.cmd in ("train", "train-one"):
         from trainer.bench.peers_train import train_main

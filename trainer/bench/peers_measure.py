@@ -153,17 +153,29 @@ class Clock:
     def mark(self, samples: int) -> None:
         self.marks.append((time.perf_counter(), self.meter.cpu_s()["total"], samples))
 
-    def block_rates(self, blocks: int = 5) -> tuple[list[float], list[float]]:
-        """Per block of consecutive marks (batches arrive in bursts, so single intervals mislead):
-        samples/s and CPU-s per sample."""
+    def block_rates(self, blocks: int = 5) -> tuple[tuple, tuple]:
+        """(samples/s, CPU-s per sample), each as (estimate, standard error): totals over totals,
+        the errors from blocks of consecutive marks by the ratio estimator (batches arrive in
+        bursts, and blocks differ in length, so a mean of per-block rates would mislead)."""
         marks = self.marks
         if len(marks) < 2:
-            return [], []
+            return (None, None), (None, None)
         k = min(blocks, len(marks) - 1)
         edges = [marks[round(i * (len(marks) - 1) / k)] for i in range(k + 1)]
-        sps, cps = [], []
-        for (t0, c0, n0), (t1, c1, n1) in zip(edges, edges[1:]):
-            if n1 > n0 and t1 > t0:
-                sps.append((n1 - n0) / (t1 - t0))
-                cps.append((c1 - c0) / (n1 - n0))
-        return sps, cps
+        dt = [b[0] - a[0] for a, b in zip(edges, edges[1:])]
+        dc = [b[1] - a[1] for a, b in zip(edges, edges[1:])]
+        dn = [b[2] - a[2] for a, b in zip(edges, edges[1:])]
+        return ratio_estimate(dn, dt), ratio_estimate(dc, dn)
+
+
+def ratio_estimate(num: list[float], den: list[float]) -> tuple[float | None, float | None]:
+    """sum(num)/sum(den) and its standard error over the k blocks (the ratio estimator's)."""
+    k, total = len(num), sum(den)
+    if k == 0 or total <= 0:
+        return None, None
+    r = sum(num) / total
+    if k < 2:
+        return r, None
+    mean_den = total / k
+    var = sum((a - r * b) ** 2 for a, b in zip(num, den)) / (k * (k - 1))
+    return r, math.sqrt(var) / mean_den

@@ -91,6 +91,7 @@ def build_dataset(setting: PeerSetting, actors: int, batch_size: int = 4):
     """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``)."""
     import ray.data
 
+    ray.data.DataContext.get_current().enable_progress_bars = False  # a log line per second otherwise
     # Raw bytes, decoded in the actors: Ray's default decoder turns images into arrays per row, and
     # a block whose rows hold different members (one image, or two and a conversation) then fails
     # to become one tensor column.

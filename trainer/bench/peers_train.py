@@ -129,11 +129,12 @@ def train_one(args, setting, work_dir: str) -> dict:
     if args.path == "ray-data" and cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp > 1:
         raise SystemExit("ray-data: streaming_split gives every rank its own rows, so the ranks of one "
                          "model-parallel replica would differ; run it data-parallel only (--tp 1)")
-    if args.path == "megatron-bridge":  # what each rank's loader needs, made once before the ranks start
-        from trainer.bench.peers_data import save_hf_processor, write_conversations
+    if args.path == "megatron-bridge":
+        # What each rank's loader reads, made once before the ranks start: the conversations, the
+        # processor, and the Hugging Face datasets cache of the JSON (ranks building it at once race).
+        from trainer.bench.peers_stock import StockPath
 
-        write_conversations(setting.shards, os.path.join(work_dir, "conversations"))
-        save_hf_processor(setting, os.path.join(work_dir, "hf-processor"))
+        StockPath(setting, work_dir, samples=1, num_workers=0).close()
     meter = ProcessTreeMeter().start()
     t0 = time.time()
     group = WorkerGroup(world, use_gpu=True, gpu_per_rank=job.gpu_per_rank, env=rank_env(cfg.train.expandable_segments))
