@@ -37,6 +37,8 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         p.add_argument("--workers", type=int, default=None, help="Bridge DataLoader workers per rank (default "
                                                                  "its recipes' 2); Ray Data / vlmfeed actors (8)")
         p.add_argument("--case-timeout", type=int, default=600)
+        p.add_argument("--deadline", type=float, default=None,
+                       help="seconds from start after which no case starts and a running one is cut short")
         p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "peers-train"))
         if name != "train-one":
             p.add_argument("--paths", nargs="+", default=list(paths), choices=paths)
@@ -203,25 +205,53 @@ def train_all(args, setting, setting_args: list[str]) -> dict:
     if not _has_gpu():
         return {"skipped": "no CUDA GPU here: run `vlmfeed bench peers train` on the GPU host"}
     out: dict = {}
+    start = time.time()
     for mbs in args.mbs_list:
         cases = {}
         for path in args.paths:
+            timeout = args.case_timeout
+            if args.deadline is not None:
+                timeout = min(timeout, int(args.deadline - (time.time() - start)))
+                if timeout < 90:
+                    cases[path] = {"path": path, "rc": "skipped (deadline)"}
+                    continue
             with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
                 cmd = [sys.executable, "-m", "trainer.bench.peers", "train-one", "--path", path, "--json", f.name,
                        *_with_mbs(setting_args, mbs), "--strategy", args.strategy, "--iters", str(args.iters),
                        "--world-size", str(args.world_size), "--tp", str(args.tp), "--out", args.out]
                 cmd += ["--workers", str(args.workers)] if args.workers else []
                 print(f"[peers] train: {path} mbs {mbs}", flush=True)
-                try:
-                    rc = subprocess.run(cmd, timeout=args.case_timeout).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
+                t0 = time.time()
+                rc = _run(cmd, timeout)
                 cases[path] = json.load(open(f.name)) if rc == 0 and os.path.getsize(f.name) else \
-                    {"path": path, "rc": rc}
+                    _partial(path, rc, os.path.join(args.out, f"{path}-mbs{mbs}", "metrics.jsonl"), time.time() - t0)
             print(f"[peers] {path} mbs {mbs}: " + json.dumps({k: cases[path].get(k) for k in (
                 "tokens_per_s", "tflops_per_gpu", "data_wait_share", "cpu_s_per_trained_sample", "rc")}), flush=True)
         _ratios(cases)
         out[f"mbs{mbs}"] = cases
+    return out
+
+
+def _run(cmd: list[str], timeout: int):
+    """The case in its own process group, all of it (its Ray cluster too) killed at the timeout."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timeout"
+
+
+def _partial(path: str, rc, metrics: str, wall_s: float) -> dict:
+    """A case cut short or failed: the steady summary of the steps it finished, marked partial."""
+    out = {"path": path, "rc": rc}
+    if os.path.exists(metrics):
+        from trainer.bench.training import partial_summary
+
+        out.update(partial_summary(metrics, wall_s))
     return out
 
 
