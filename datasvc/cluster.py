@@ -10,6 +10,8 @@ What ``connect`` does for the embedded cluster, and why:
   loopback. ``tests/test_loopback.py`` lists every listening socket of the job's processes.
 - No dashboard (``include_dashboard=False``); the dashboard agent and the runtime-env agent still
   run (Ray starts them on every node) and bind loopback like the rest.
+- Its own Ray temp dir (``/tmp/vlmfeed-ray`` unless told): never joins another cluster of this host
+  by accident, as ray.init does when a cluster's address is left in the default one.
 - Token authentication with a token of this cluster's own, in the environment the cluster's
   processes inherit: whatever ``~/.ray/auth_token`` holds (a token of another cluster, junk, or
   nothing) is neither read nor written, and a process on the same host needs the token to talk to
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 
 import ray
 
@@ -39,6 +42,9 @@ def connect(address: str | None = None, num_cpus: int | None = None,
         return
     _loopback_node()
     _use_auth_env(local_auth_env())
+    # A temp dir of our own: in Ray's default one (/tmp/ray), a cluster someone else started on this
+    # host (``ray start``, ``ray.cluster_utils``) leaves its address, and ray.init would join it.
+    temp_dir = temp_dir or os.path.join(tempfile.gettempdir(), "vlmfeed-ray")
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus,
              object_store_memory=object_store_memory, runtime_env=env, log_to_driver=True, _temp_dir=temp_dir)
 
