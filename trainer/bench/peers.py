@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -190,10 +189,7 @@ def data_all(args) -> dict:
             if args.workers:
                 cmd += ["--workers", str(args.workers)]
             print(f"[peers] data alone: {name} on {args.cores} cores", flush=True)
-            try:
-                rc = subprocess.run(cmd, timeout=args.case_timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = _run(cmd, args.case_timeout)
             # The report is written before teardown: a process that fails after it still counts.
             results[name] = json.load(open(out.name)) if os.path.getsize(out.name) else {"path": name}
             if rc != 0:
@@ -210,6 +206,12 @@ def data_all(args) -> dict:
                 r["cpu_s_per_sample_without_consumer"] / base["cpu_s_per_sample_without_consumer"], 3)
     return {"cores": args.cores, "setting": _setting_dict(args), "paths": results,
             "duplication": duplication(results)}
+
+
+def _run(cmd: list[str], timeout: int):
+    from trainer.bench.peers_train import _run as run_killing_its_group
+
+    return run_killing_its_group(cmd, timeout)
 
 
 def _has_gpu() -> bool:
