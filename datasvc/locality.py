@@ -68,9 +68,9 @@ def node_actor_cap(node: str, decode_threads: int, data_cpus: int | None) -> int
     return max(1, int(cpus) // max(1, decode_threads))
 
 
-@ray.remote(num_cpus=0)
-class NodeBudget:
-    """The preprocessing-actor budget of one node, shared by the feeders placed there."""
+class Budget:
+    """The preprocessing-actor budget of one node, shared by the feeders placed there (the logic of
+    the ``NodeBudget`` actor)."""
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -100,6 +100,9 @@ class NodeBudget:
 
     def state(self) -> dict:
         return {"cap": self.cap, "held": dict(self.held)}
+
+
+NodeBudget = ray.remote(num_cpus=0)(Budget)  # a coordinator: holds no CPU of the node it budgets
 
 
 def budget_name(run: str, node: str) -> str:

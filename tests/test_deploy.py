@@ -11,7 +11,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +144,6 @@ def _pids_using(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.slow  # two raylets started by the CLI: 30-60 s on two busy cores
 def test_the_scripts_ray_start_lines_make_a_two_node_cluster():
     """Source the script (defines start_head/start_worker, runs nothing), start a head and a worker with
     its flags on this machine (own temp dir, free ports, token auth), count the nodes, then end only

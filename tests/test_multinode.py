@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster
 
 from datasvc.client import DataClient, DataService
 from datasvc.config import ServiceConfig
-from datasvc.locality import NodeBudget, replica_nodes, this_node
+from datasvc.locality import Budget, replica_nodes, this_node
 from datasvc.producer import BlockProducer
 from datasvc.service import EndOfData
 from datasvc.shards import index_shard
@@ -137,7 +137,7 @@ def test_feeders_beside_their_ranks_and_a_lost_node(photo_shards, cluster):
         f0, f1 = stats["ranks"]
         assert (f0["node"], f1["node"]) == (ids["n2"], head)
         assert {actor_node(a) for a in ray.get(svc.feeders[0].actor_handles.remote())} == {ids["n2"]}
-        assert f0["bytes_cross_node"] > 0 and f0["batches_cross_node"] == 2 and f0["bytes_same_node"] == 0
+        assert f0["bytes_cross_node"] > 0 and f0["batches_cross_node"] >= 2 and f0["bytes_same_node"] == 0
         assert f1["bytes_cross_node"] == 0 and f1["bytes_same_node"] > 0
         assert stats["bytes_cross_node"] == f0["bytes_cross_node"]
 
@@ -158,16 +158,22 @@ def test_feeders_beside_their_ranks_and_a_lost_node(photo_shards, cluster):
     assert per_epoch(*got) == {0: everything, 1: everything}
 
 
-def test_node_budget_shares_one_node_between_feeders(cluster):
-    """Two feeders of one node with 3 actor slots: neither takes the other's fair share."""
-    budget = NodeBudget.remote(3)
-    assert ray.get([budget.join.remote(0, 1), budget.join.remote(1, 1)]) == [3, 3]
-    assert ray.get(budget.take.remote(0)) is True  # 2 + 1: rank 1 can still reach its share of 2
-    assert ray.get(budget.take.remote(0)) is False
-    assert ray.get(budget.take.remote(1)) is False  # 3 held: the node is full
-    ray.get(budget.give.remote(0))
-    assert ray.get(budget.take.remote(1)) is True
-    assert ray.get(budget.state.remote()) == {"cap": 3, "held": {0: 1, 1: 2}}
+def test_node_budget_shares_one_node_between_feeders():
+    """Two feeders of one node with 4 actor slots: neither takes the other's fair share. (The budget's
+    logic alone; the node-loss test runs it as the per-node actor.)"""
+    budget = Budget(4)
+    assert [budget.join(0, 1), budget.join(1, 1)] == [4, 4]
+    assert budget.take(0) is True  # 2 + 1 held: rank 1 can still reach its share of 2
+    assert budget.take(0) is False  # rank 0 has its share, and one slot is owed to rank 1
+    assert budget.take(1) is True
+    assert budget.take(1) is False  # 4 held: the node is full
+    budget.give(0)
+    assert budget.take(1) is False  # the slot rank 0 gave back stays owed to it
+    assert budget.take(0) is True
+    assert budget.state() == {"cap": 4, "held": {0: 2, 1: 2}}
+    budget.join(1, 1)  # rank 1's feeder restarted: it holds its floor again
+    assert budget.take(0) is False and budget.take(1) is True
+    assert budget.take(7) is False  # a feeder that never joined gets nothing
     assert replica_nodes(["a", "b", "b", "c"], [0, 0, 0, 1]) == {0: "b", 1: "c"}
 
 
