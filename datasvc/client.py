@@ -302,7 +302,9 @@ class DataService:
             total.skipped_by_rule.update(a["skipped_by_rule"])
             total.ignored_members.update(a["ignored_members"])
         moved = {k: sum(s[k] for s in per_rank) for k in ("bytes_same_node", "bytes_cross_node")}
-        return {"ranks": per_rank, "accounting": total.as_dict(), **moved}
+        # in_flight: read, not handed out yet (see producer.BlockProducer.stats)
+        in_flight = sum(s["accounting"].get("in_flight", 0) for s in per_rank)
+        return {"ranks": per_rank, "accounting": {**total.as_dict(), "in_flight": in_flight}, **moved}
 
     def _live_feeder(self, rank: int):
         """The feeder of ``rank`` now (a client may have restarted it since this service started it)."""

@@ -14,7 +14,10 @@ inspect, the benches and the soak run it in this process.
 - ``micro_batches()`` yields ``(PackedBatch, Position)``; ``blocks()`` / ``next_block()`` give
   whole packed ``Block``s instead. Use one of them per producer: they share the stream.
 - ``position()``: where a restore would continue (the micro-batch after the last one handed out).
-- ``stats()``: a dict with the same keys as the feeder's stats (less its queue and pool).
+- ``stats()``: a dict with the same keys as the feeder's stats (less its queue and pool). Its
+  ``accounting`` holds ``in_flight``: samples read and packed but not handed out yet (the rest of
+  the block being handed out, and the rows its chain holds for the next block), so that at any
+  moment read == delivered + quarantined + skipped_by_rule + in_flight.
 
 Errors no retry can fix (a rank with no work, an epoch whose every sample was rejected, a failure
 budget spent) raise ``DataServiceError`` from the iterator.
@@ -166,6 +169,8 @@ class BlockProducer:
         self.budget = FailureBudget(cfg.max_consecutive_rejections, cfg.max_rejection_rate,
                                     cfg.rejection_rate_min_samples)
         self._held: list = []  # samples of the rows the last block held for the next one of its chain
+        self._unsent = 0  # samples in packed micro-batches not handed out yet
+        self._packing = 0  # samples of the block being packed (read, not packed yet)
         self._next = self.start
         self._stop = False
         self._lock = threading.Lock()  # stats() may be called from another thread
@@ -204,16 +209,20 @@ class BlockProducer:
                 "rank": self.rank,
                 "start": self.start.as_dict(),
                 "position": self._next.as_dict(),
-                "accounting": self.acct.as_dict(),
+                "accounting": {**self.acct.as_dict(), "in_flight": self._in_flight()},
                 "stages": self.times.as_dict(),
                 **self.stream.as_dict(),
                 "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
                                for r in self.acct.log[-50:]],
             }
 
+    def _in_flight(self) -> int:
+        return self._unsent + len(self._held) + self._packing
+
     def _hand_out(self, batch: PackedBatch, pos: Position) -> None:
         with self._lock:
             self.acct.delivered += len(batch.sample_keys)
+            self._unsent -= len(batch.sample_keys)
             grids = batch.image_grid_thw
             vision = int(grids.prod(axis=1).sum()) // self.spec.merge_size**2 if len(grids) else 0
             s = self.stream
@@ -309,13 +318,14 @@ class BlockProducer:
                 self.times.merge(r.times)
                 self.stream.images += r.images
                 self.stream.megapixels += r.megapixels
+            self._packing = len(samples)
         for item, r in zip(items, results):
             self.budget.observe(item, r, self.acct, self.rank)
         t0 = time.perf_counter()
         batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
                                                        self.spec.patch_dim, hold=not ends_chain)
-        self._held = held
         with self._lock:
+            self._held, self._packing = held, 0
             self.times.add("pack", time.perf_counter() - t0, len(batches))
             for s in too_long:
                 self.acct.reject(s.shard, s.key, "longer_than_seq_len",
@@ -329,5 +339,6 @@ class BlockProducer:
                 skip = 0
             # Samples of skipped micro-batches were delivered before the restore.
             self.acct.delivered += sum(len(b.sample_keys) for b in batches[:skip])
+            self._unsent += sum(len(b.sample_keys) for b in batches[skip:])
         out = [(batch, Position(epoch, block, i, step + i - skip)) for i, batch in enumerate(batches) if i >= skip]
         return Block(epoch, block, out)
