@@ -146,8 +146,9 @@ def _pids_using(marker: str) -> list[int]:
 
 def test_the_scripts_ray_start_lines_make_a_two_node_cluster():
     """Source the script (defines start_head/start_worker, runs nothing), start a head and a worker with
-    its flags on this machine (own temp dir, free ports, token auth), count the nodes, then end only
-    the processes of this cluster (by pid: ``ray stop`` would stop every Ray on the machine)."""
+    its flags on this machine (own temp dir, free ports, token auth), count the nodes with the token,
+    see a wrong token refused, then end only the processes of this cluster (by pid: ``ray stop``
+    would stop every Ray on the machine)."""
     tmp = tempfile.mkdtemp(prefix="vdp", dir="/tmp")
     token = Path(tmp, "token")
     token.write_text(os.urandom(32).hex())
@@ -169,6 +170,15 @@ def test_the_scripts_ray_start_lines_make_a_two_node_cluster():
             env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)},
             capture_output=True, text=True, timeout=120)
         assert re.search(r"^NODES 2$", count.stdout, re.M), count.stdout[-2000:] + count.stderr[-2000:]
+        no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+        try:
+            refused = subprocess.run(count.args, env={**no_token, "RAY_AUTH_MODE": "token",
+                                                      "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True,
+                                     text=True, timeout=60)
+            assert "NODES" not in refused.stdout, "a client with a wrong token was let in"
+            assert "InvalidAuthToken" in refused.stderr, refused.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            pass  # still refused: the client waits for a connection it never gets
     finally:
         for _ in range(3):
             for pid in _pids_using(tmp):
