@@ -154,7 +154,8 @@ def markdown(rows: list[dict], mfu: float) -> str:
         limit = mfu * min(r["headroom_cores"], r["headroom_pack"])
         out.append(f"| {r['model']} | {r['gpus']} | {r['mbs']} | {r['layout']} | {r['dp']} | "
                    f"{r['mb_per_s_per_rank']:.2f} | {r['cores_per_node']:.1f} | {r['actors_per_node']} | "
-                   f"{r['store_bytes_per_node'] / 2**20:.0f} MiB / {r['store_resident_bytes_per_node'] / 2**30:.1f} GiB | "
+                   f"{r['store_bytes_per_node'] / 2**20:.0f} MiB / "
+                   f"{r['store_resident_bytes_per_node'] / 2**30:.1f} GiB | "
                    f"{r['headroom_cores']:.0f}x, {r['headroom_pack']:.0f}x"
                    f"{'' if limit > 1 else f' (limits above MFU {limit:.2f})'} | "
                    f"{r['break_even_core_ms_per_sample']:.0f} core-ms |")
