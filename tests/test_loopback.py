@@ -133,3 +133,64 @@ def test_a_driver_joins_a_cluster_that_ray_start_gave_the_token_file(tmp_path):
                 continue
         shutil.rmtree(temp, ignore_errors=True)
     assert "RESULT True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _listening_tree(pid: int, seen: dict) -> None:
+    """Add the listening sockets of ``pid`` and every process under it to ``seen``."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    seen.setdefault((c.laddr.ip, c.laddr.port), [p.name(), " ".join(p.cmdline())[:100]])
+        except psutil.Error:
+            pass
+
+
+def test_embedded_training_job_listens_on_loopback_only(tmp_path, photo_shards):
+    """``python -m trainer.run qwen3vl`` on CPU with the embedded cluster: every socket that any of
+    its processes (the driver, Ray's GCS, raylet, agents and workers, the trainer ranks with their
+    torch rendezvous and Gloo, the data service) listens on while it trains is on loopback."""
+    import time
+
+    from trainer.workers import PORT_RANGE
+
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("junk-token-left-by-another-cluster\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "VLMFEED_RAY_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX"))}
+    temp = tempfile.mkdtemp(prefix="vt", dir="/tmp")  # the cluster's temp dir under it: AF_UNIX paths stay short
+    env.update(HOME=str(home), PYTHONPATH=REPO, TMPDIR=temp)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.run", "qwen3vl", "--train-iters", "3", "--seq-len", "512",
+           "--out", str(out), "--shards", *photo_shards]
+    seen: dict = {}
+    log = open(tmp_path / "job.log", "w+")
+    job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while job.poll() is None and time.time() < deadline:
+            _listening_tree(job.pid, seen)
+            time.sleep(0.5)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+        job.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
+    log.seek(0)
+    text = log.read()
+    assert job.returncode == 0, text[-4000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    names = {name for name, _ in seen.values()}
+    assert {"gcs_server", "raylet"} <= names, seen  # Ray's processes were sampled
+    rendezvous = [s for s in seen if PORT_RANGE[0] <= s[1] < PORT_RANGE[1]]
+    assert rendezvous, seen  # and the ranks' rendezvous store while they trained
+    beyond = {s: p for s, p in seen.items() if not is_loopback(s[0])}
+    assert not beyond, f"listening beyond loopback: {beyond}"

@@ -75,6 +75,7 @@ class Job:
     metrics_path: str
     run: str  # names this run's data service actors
     block_sizing: dict | None = None  # how size_blocks chose items_per_block, when it did
+    loopback: bool = False  # the embedded single-host cluster: ranks rendezvous on 127.0.0.1 only
 
     @property
     def dp(self) -> int:
@@ -96,7 +97,7 @@ def build_job(args: argparse.Namespace) -> Job:
 
     check_args(args)
     plan_gate_declared(args)  # a job that declares its GPUs and cannot fit stops before Ray starts
-    gpus = connect_cluster(args)
+    gpus, loopback = connect_cluster(args)
     backend = args.backend if args.backend != "auto" else ("megatron" if gpus else "cpu")
     if backend == "cpu":
         for flag, (attr, value) in CPU_DEFAULTS.items():
@@ -114,7 +115,7 @@ def build_job(args: argparse.Namespace) -> Job:
         os.remove(metrics)
     return Job(backend=backend, world=world, cfg=cfg, data_cfg=data_cfg, gpu_per_rank=gpu_per_rank, out=args.out,
                metrics_path=metrics, run=f"vlmfeed-{uuid.uuid4().hex[:8]}",
-               block_sizing=sizing.as_dict() if sizing else None)
+               block_sizing=sizing.as_dict() if sizing else None, loopback=loopback)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -128,17 +129,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
 
 
-def connect_cluster(args: argparse.Namespace) -> int:
-    """Join (or start) the Ray cluster; returns its GPU count."""
+def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
+    """Join (or start) the Ray cluster; returns its GPU count, and whether it is the embedded
+    cluster this process started on 127.0.0.1 (its ranks then rendezvous on loopback only)."""
     import ray
 
     from datasvc.cluster import connect
+
+    embedded = not (ray.is_initialized() or args.address or os.environ.get("RAY_ADDRESS"))
 
     # Logical CPUs of an embedded cluster: enough for the trainer ranks plus the smallest data pools
     # (they oversubscribe a small dev box, which is what a development run wants).
     want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + args.data_actors[0] * args.decode_threads))
     connect(args.address, num_cpus=want_cpus)
-    return int(ray.cluster_resources().get("GPU", 0))
+    loopback = embedded and ray.util.get_node_ip_address() == "127.0.0.1"
+    return int(ray.cluster_resources().get("GPU", 0)), loopback
 
 
 def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[TrainerConfig, int]:
@@ -245,7 +250,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
              len(job.data_cfg.shards), cfg.train.seq_len, cfg.train.mbs, cfg.train.gbs)
     # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
     group = WorkerGroup(world, use_gpu=job.backend == "megatron", gpu_per_rank=job.gpu_per_rank,
-                        env=rank_env(cfg.train.expandable_segments))
+                        env=rank_env(cfg.train.expandable_segments), loopback=job.loopback)
     try:  # each DP rank's feeder and actors on the node of its ranks, so batches stay on the node
         service = DataService(job.data_cfg, run=job.run, nodes=data_nodes(job, group.node_ids))
     except BaseException:
@@ -296,9 +301,10 @@ def _cpu_rank(cfg, data_cfg, run, layout, metrics_path):
 
     from datasvc.client import DataClient
     from trainer.cpu_backend import train as cpu_train
+    from trainer.rendezvous import init_distributed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world)
+    init_distributed("gloo")
     try:
         client = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run)
         grad_accum = cfg.train.gbs // (cfg.train.mbs * layout.dp_size)

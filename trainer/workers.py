@@ -14,6 +14,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from trainer.rendezvous import LOOPBACK_ADDR, loopback_env
+
 PORT_RANGE = (29500, 30500)
 # What Ray sets for itself or the job and must not leak into torch.distributed / CUDA setup.
 _STRIP_ENV = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "RAY_JOB_ID", "RAY_RUNTIME_ENV_HOOK",
@@ -68,11 +70,12 @@ class TrainerWorker:
                     continue
         raise RuntimeError(f"no free port in {PORT_RANGE}")
 
-    def setup(self, rank: int, world: int, local_rank: int, master_addr: str, master_port: int) -> None:
+    def setup(self, rank: int, world: int, local_rank: int, master_addr: str, master_port: int,
+              extra_env: dict[str, str] | None = None) -> None:
         for k in _STRIP_ENV:
             os.environ.pop(k, None)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), **(extra_env or {}))
 
     def run(self, fn, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` in this rank (a module-level function, pickled by reference)."""
@@ -83,7 +86,9 @@ class WorkerGroup:
     """The trainer actors of one job, ranked and ready for torch.distributed."""
 
     def __init__(self, world: int, use_gpu: bool, cpus_per_rank: float = 1.0, gpu_per_rank: float = 1.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, loopback: bool = False):
+        """``loopback``: the embedded single-host cluster; the ranks' rendezvous, Gloo and NCCL then
+        listen on 127.0.0.1 only (``trainer.rendezvous``)."""
         # gpu_per_rank < 1 leaves room on each rank's GPU for GPU-decoding data actors; above 0.5, two
         # ranks can never share one GPU.
         if use_gpu and not 0.5 < gpu_per_rank <= 1.0:
@@ -101,10 +106,16 @@ class WorkerGroup:
         self.actors = [actors[i] for i in order]
         nodes = [infos[i][0] for i in order]
         self.node_ids = [infos[i][2] for i in order]  # rank r's Ray node: where its data is placed
-        master_addr = nodes[0]
+        master_addr, extra_env = nodes[0], None
+        if loopback:
+            if set(nodes) != {LOOPBACK_ADDR}:
+                raise RuntimeError(f"a loopback rendezvous needs every rank on this host at {LOOPBACK_ADDR}; "
+                                   f"the ranks are on {sorted(set(nodes))}")
+            master_addr, extra_env = LOOPBACK_ADDR, loopback_env()
         master_port = ray.get(self.actors[0].free_port.remote())
         local = [nodes[:r].count(nodes[r]) for r in range(world)]
-        ray.get([a.setup.remote(r, world, local[r], master_addr, master_port) for r, a in enumerate(self.actors)])
+        ray.get([a.setup.remote(r, world, local[r], master_addr, master_port, extra_env)
+                 for r, a in enumerate(self.actors)])
         self.world = world
 
     def run_all(self, fn, per_rank_args: list[tuple]) -> list:

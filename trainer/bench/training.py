@@ -10,8 +10,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from trainer.bench.cases import DEFAULT_GROUPS, GROUPS, PROXY
@@ -138,8 +140,7 @@ def _run_cases(cases: list[tuple], sources: dict[str, list[str]], args: argparse
     """Every case against one Ray head started here (and stopped after), bench.json rewritten after
     each case so a cut-short run keeps what finished."""
     address = "127.0.0.1:6390"
-    subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--port=6390",
-                    "--include-dashboard=false"], check=True)
+    head, temp = _start_head(address)
     results = []
     try:
         for name, source, extra in cases:
@@ -154,9 +155,43 @@ def _run_cases(cases: list[tuple], sources: dict[str, list[str]], args: argparse
             with open(os.path.join(args.out, "bench.json"), "w") as f:
                 json.dump(results, f, indent=1)
     finally:
-        subprocess.run(["ray", "stop", "--force"])
+        _stop_head(head, temp)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _start_head(address: str) -> tuple[subprocess.Popen, str]:
+    """A head like the embedded cluster (``datasvc.cluster.connect``): node address 127.0.0.1 kept by
+    Ray's single-machine mode, so its services listen on loopback; a token of its own in the
+    environment of the head and of every case (``local_auth_env``), so whatever ~/.ray/auth_token
+    holds is neither used nor needed; a temp dir of its own. It runs in its own session, and
+    ``_stop_head`` stops exactly it (``ray stop`` would stop every Ray cluster of this host)."""
+    from datasvc.cluster import local_auth_env
+
+    os.environ.update(local_auth_env(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # inherited by the cases
+    temp = tempfile.mkdtemp(prefix="vlmfeed-bench-ray-", dir="/tmp")
+    host, port = address.rsplit(":", 1)
+    head = subprocess.Popen(["ray", "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port}",
+                             "--include-dashboard=false", f"--temp-dir={temp}"], start_new_session=True)
+    for _ in range(60):
+        if subprocess.run(["ray", "status", f"--address={address}"], capture_output=True).returncode == 0:
+            return head, temp
+        if head.poll() is not None:
+            break
+        time.sleep(2)
+    _stop_head(head, temp)
+    raise SystemExit(f"the Ray head at {address} did not come up (rc {head.poll()})")
+
+
+def _stop_head(head: subprocess.Popen, temp: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(head.pid, sig)
+            head.wait(timeout=30)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 if __name__ == "__main__":

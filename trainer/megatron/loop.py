@@ -33,12 +33,33 @@ def train(cfg: TrainerConfig, data_iterator: Iterator[dict], metrics_sink: Metri
     container = build_config_container(cfg, world_size, iterator)
     # A Ray actor sees exactly its own GPU; Bridge would otherwise pick cuda:LOCAL_RANK.
     container.dist.external_gpu_device_mapping = torch.cuda.device_count() == 1
+    init_loopback_distributed(container)
     forward_step = qwen3_vl_step.forward_step if cfg.train.padded else PackedForwardStep()
     metrics = StepMetrics(iterator, metrics_sink)
     log.info("Megatron-Bridge backend: %s, strategy %s, %s rows", cfg.model.preset, cfg.parallel.strategy,
              "padded (stock qwen3_vl_step)" if cfg.train.padded else "packed (THD)")
     run_bridge(container, forward_step, [metrics])
     return metrics.records
+
+
+def init_loopback_distributed(container: ConfigContainer) -> None:
+    """In the embedded single-host job, torch.distributed on a rendezvous bound to 127.0.0.1
+    (``trainer.rendezvous``), with NCCL's bootstrap on the loopback interface (NCCL_SOCKET_IFNAME=lo,
+    set in the rank env). Bridge's own init would serve torch's store on every interface; it skips
+    its init when torch.distributed is already initialized, so this does the steps it would."""
+    import datetime
+
+    from trainer.rendezvous import init_distributed, on_loopback
+
+    if not on_loopback() or torch.distributed.is_initialized():
+        return
+    device = 0 if container.dist.external_gpu_device_mapping else int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(device)
+    if getattr(container.model, "cuda_graph_impl", None) == "transformer_engine":
+        torch.cuda.set_stream(torch.cuda.Stream())  # as Bridge does: cudagraph capture needs a non-default stream
+    init_distributed(container.dist.distributed_backend,
+                     timeout=datetime.timedelta(minutes=container.dist.distributed_timeout_minutes))
+    torch.distributed.barrier(device_ids=[device])
 
 
 def run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callback]) -> None:
