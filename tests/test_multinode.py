@@ -86,15 +86,24 @@ class Rank:
         return self.client.save_state()
 
 
+TEMP_DIRS: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_temp_dirs():
+    """Ray processes still exiting after a cluster's shutdown may write in its temp dir for a while:
+    each is removed after its test and again when the module is done."""
+    yield
+    for path in TEMP_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def temp_dir():
     path = tempfile.mkdtemp(prefix="vmn", dir="/tmp")  # short: raylet socket paths are limited
+    TEMP_DIRS.append(path)
     yield path
-    for _ in range(5):  # Ray processes that are still exiting may write in it once more
-        shutil.rmtree(path, ignore_errors=True)
-        time.sleep(1)
-        if not os.path.exists(path):
-            break
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
