@@ -8,6 +8,7 @@ the one the in-process producer makes (no loss, no duplicate, same order).
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,25 @@ def _remove_temp_dirs():
     each is removed after its test and again when the module is done."""
     yield
     for path in TEMP_DIRS:
+        for pid in _pids_using(path):  # only processes of the clusters these tests started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _pids_using(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker in f.read().decode(errors="replace"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
 
 
 @pytest.fixture
