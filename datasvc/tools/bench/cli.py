@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         from datasvc.tools.bench.soak import soak
 
         rep = soak(args.minutes, out=args.out, kill_every_s=args.kill_every)
-        return 0 if rep["samples_lost"] == 0 and rep["samples_duplicated"] == 0 else 1
+        return 0 if rep["ok"] else 1
 
     if args.cmd == "sizing":
         from datasvc.samples import large_shards

@@ -1,17 +1,24 @@
 """Soak: stream for N minutes over good and hostile shards while killing actors; count what is lost.
 
-``vlmfeed bench soak --minutes 10``. Samples lost must be 0: for every completed epoch,
-the delivered keys equal exactly the keys an in-process run accepts (no loss, no duplicates).
+``vlmfeed bench soak --minutes 10``. The shards mix every class of bad data of
+``datasvc.tools.bench.hostile`` (exceptions in parsing, duplicate members, a corrupt header
+mid-shard, gzip, links, a truncated JPEG, an EXIF-rotated photo, a decompression-bomb PNG over the
+decoded-bytes budget, a sample that kills its actor) with good ones, while actors and the feeder
+are killed from outside. The report (JSON) passes (``ok``) when:
+
+- crashes == 0: the stream never raised;
+- samples_lost == samples_duplicated == 0: for every completed epoch, the delivered keys equal
+  exactly the keys an in-process run accepts, less the sample that kills its actor;
+- uncounted_samples == 0: read == delivered + quarantined + skipped_by_rule + in_flight;
+- rss_under_budget: the peak RSS of the cluster's processes stayed under ``rss_budget_mib``.
 """
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import random
 import signal
-import tarfile
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -21,36 +28,13 @@ import psutil
 from datasvc.samples import cache_dir
 
 
-def write_hostile_shards(out_dir: str, photo_shards: list[str]) -> list[str]:
-    """A truncated copy of a good shard, a shard of bad members, and a file that is not a tar."""
-    import pickle
-
-    os.makedirs(out_dir, exist_ok=True)
-    data = open(photo_shards[0], "rb").read()
-    paths = [os.path.join(out_dir, "truncated.tar"), os.path.join(out_dir, "bad-members.tar"),
-             os.path.join(out_dir, "garbage.tar")]
-    with open(paths[0], "wb") as f:
-        f.write(data[: len(data) * 2 // 3])
-    members = [("zero.jpg", b""), ("zero.txt", b"zero"), ("rand.jpg", os.urandom(4000)), ("rand.txt", b"r"),
-               ("nocap.jpg", data[1024:9000]), ("evil.pyd", pickle.dumps({"x": 1})), ("evil.txt", b"pickle"),
-               ("latin.jpg", b"\xff\xd8\xff"), ("latin.txt", "\xe9t\xe9".encode("latin-1"))]
-    with tarfile.open(paths[1], "w") as tar:
-        for name, blob in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(blob)
-            tar.addfile(info, io.BytesIO(blob))
-    with open(paths[2], "wb") as f:
-        f.write(os.urandom(20000))
-    return paths
-
-
 def accepted_keys(cfg) -> Counter:
     """What one epoch delivers in process (the reference for 'nothing lost'): the feeder's own
-    producer, with the actors' work run inline."""
+    producer, with the actors' work run inline (no fault injection)."""
     from datasvc.producer import BlockProducer
 
     keys = Counter()
-    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1), 0).micro_batches():
+    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1, fault_injection={}), 0).micro_batches():
         keys.update(batch.sample_keys)
     return keys
 
@@ -64,20 +48,28 @@ def _ray_rss_mib() -> float:
     return total / 2**20
 
 
+DECODED_BYTES_BUDGET = 64 << 20  # per actor: the decompression bomb (75 MB decoded) is over it
+BOMB_SIDE = 5000
+
+
 def _soak_config():
     from datasvc.config import ServiceConfig
     from datasvc.plan import TRAINING_CHAIN_BLOCKS
-    from datasvc.samples import write_photo_shards
+    from datasvc.samples import encode_image, real_photos, write_photo_shards
+    from datasvc.tools.bench.hostile import write_hostile_set
 
     root = cache_dir("soak")
     good = write_photo_shards(os.path.join(root, "good"), samples_per_shard=6, copies=2)
-    shards = good + write_hostile_shards(os.path.join(root, "bad"), good)
+    hostile, kill_key = write_hostile_set(os.path.join(root, "hostile"), encode_image(real_photos()[1][1]), good[0],
+                                          bomb_side=BOMB_SIDE)
     # Blocks pack in chains as in trainer.run, so a killed feeder often restarts mid-chain and must
     # replay the chain's earlier blocks to rebuild the rows they held.
-    return ServiceConfig(shards=tuple(shards), seq_len=512, micro_batch_size=2, samples_per_item=4,
-                         items_per_block=2, chain_blocks=TRAINING_CHAIN_BLOCKS,
-                         pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
-                         epochs=None, min_actors=1, max_actors=2, max_batches_ahead=3, autoscale_interval_s=2.0)
+    cfg = ServiceConfig(shards=tuple(good + hostile), seq_len=512, micro_batch_size=2, samples_per_item=4,
+                        items_per_block=2, chain_blocks=TRAINING_CHAIN_BLOCKS,
+                        pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
+                        decoded_bytes_budget=DECODED_BYTES_BUDGET, fault_injection={"kill_on_key": kill_key},
+                        epochs=None, min_actors=1, max_actors=2, max_batches_ahead=3, autoscale_interval_s=2.0)
+    return cfg, kill_key
 
 
 def _inject_fault(svc, rng: random.Random, faults: Counter) -> None:
@@ -103,48 +95,33 @@ def _inject_fault(svc, rng: random.Random, faults: Counter) -> None:
         faults[f"{kind} (no target: {type(exc).__name__})"] += 1
 
 
-def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, seed: int = 0) -> dict:
+def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, seed: int = 0,
+         rss_budget_mib: float = 6144.0) -> dict:
+    """Stream for ``minutes``, killing an actor or the feeder every ``kill_every_s``; the report
+    (see the module doc) is printed, written to ``out`` as JSON, and returned."""
     import ray
 
-    from datasvc.cluster import connect
     from datasvc.client import DataService
-    from datasvc.service import EndOfData, feeder_name
+    from datasvc.cluster import connect
+    from datasvc.service import feeder_name
 
     rng = random.Random(seed)
-    cfg = _soak_config()
+    cfg, kill_key = _soak_config()
     expected = accepted_keys(cfg)
+    expected.pop(kill_key, None)  # quarantined worker_died by the actors; inline nothing kills it
     connect(num_cpus=max(2, os.cpu_count() or 2))
     svc = DataService(cfg, run=f"soak-{uuid.uuid4().hex[:6]}")
     client = svc.client(0, output="numpy")
-    per_epoch: dict[int, Counter] = defaultdict(Counter)
-    faults = Counter()
-    rss = {"first": None, "peak": 0.0}
-    t_end = time.monotonic() + minutes * 60
-    next_kill = time.monotonic() + kill_every_s
-    batches = 0
-    last_report = time.monotonic()
+    run = {"per_epoch": defaultdict(Counter), "faults": Counter(), "rss": {"first": None, "peak": 0.0},
+           "batches": 0, "crash": ""}
     try:
-        while time.monotonic() < t_end:
-            batch = next(client)
-            batches += 1
-            per_epoch[client.last_position["epoch"]].update(batch.sample_keys)
-            if time.monotonic() >= next_kill:
-                next_kill = time.monotonic() + kill_every_s
-                _inject_fault(svc, rng, faults)
-            now_rss = _ray_rss_mib()
-            rss["first"] = now_rss if rss["first"] is None and batches >= 20 else rss["first"]
-            rss["peak"] = max(rss["peak"], now_rss)
-            if time.monotonic() - last_report > 30:
-                last_report = time.monotonic()
-                print(f"[soak] {batches} micro-batches, epoch {client.last_position['epoch']}, "
-                      f"faults {sum(faults.values())}, ray RSS {now_rss:.0f} MiB", flush=True)
-    except EndOfData:
-        pass
-    stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote())
-    rss["final"] = _ray_rss_mib()
-    client.close()
-    svc.shutdown()
-    report = _soak_report(minutes, batches, per_epoch, expected, faults, stats, rss)
+        _stream(client, svc, minutes, kill_every_s, rng, run)
+        stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote())
+        run["rss"]["final"] = _ray_rss_mib()
+    finally:
+        client.close()
+        svc.shutdown()
+    report = _soak_report(minutes, run, expected, stats, rss_budget_mib, kill_key)
     print("\n".join(f"{k:>36}: {v}" for k, v in report.items()))
     if out:
         with open(out, "w") as f:
@@ -152,18 +129,62 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
     return report
 
 
-def _soak_report(minutes: float, batches: int, per_epoch: dict[int, Counter], expected: Counter,
-                 faults: Counter, stats: dict, rss: dict) -> dict:
+def _stream(client, svc, minutes: float, kill_every_s: float, rng: random.Random, run: dict) -> None:
+    """Take micro-batches until the clock runs out (or the stream ends or raises: a crash)."""
+    from datasvc.service import EndOfData
+
+    t_end = time.monotonic() + minutes * 60
+    next_kill = time.monotonic() + kill_every_s
+    last_report = time.monotonic()
+    rss = run["rss"]
+    while time.monotonic() < t_end:
+        try:
+            batch = next(client)
+        except EndOfData:
+            return
+        except Exception as exc:  # a crash: the soak reports it instead of dying with it
+            run["crash"] = f"{type(exc).__name__}: {exc}"[:2000]
+            return
+        run["batches"] += 1
+        run["per_epoch"][client.last_position["epoch"]].update(batch.sample_keys)
+        if time.monotonic() >= next_kill and t_end - time.monotonic() > 15:  # the last feeder lives to report
+            next_kill = time.monotonic() + kill_every_s
+            _inject_fault(svc, rng, run["faults"])
+        now_rss = _ray_rss_mib()
+        rss["first"] = now_rss if rss["first"] is None and run["batches"] >= 20 else rss["first"]
+        rss["peak"] = max(rss["peak"], now_rss)
+        if time.monotonic() - last_report > 30:
+            last_report = time.monotonic()
+            print(f"[soak] {run['batches']} micro-batches, epoch {client.last_position['epoch']}, "
+                  f"faults {sum(run['faults'].values())}, ray RSS {now_rss:.0f} MiB", flush=True)
+
+
+def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_budget_mib: float,
+                 kill_key: str) -> dict:
+    per_epoch, faults, rss = run["per_epoch"], run["faults"], run["rss"]
     completed = sorted(per_epoch)[:-1]  # the last epoch was cut off by the clock
     lost = sum(sum((expected - per_epoch[e]).values()) for e in completed)
     dup = sum(sum((per_epoch[e] - expected).values()) for e in completed)
-    return {
-        "minutes": minutes, "micro_batches": batches, "epochs_completed": len(completed),
+    a = stats["accounting"]
+    quarantined, skipped = sum(a["quarantined"].values()), sum(a["skipped_by_rule"].values())
+    uncounted = a["read"] - (a["delivered"] + quarantined + skipped + a.get("in_flight", 0))
+    report = {
+        "minutes": minutes, "micro_batches": run["batches"], "epochs_completed": len(completed),
+        "crashes": int(bool(run["crash"])), "crash": run["crash"],
         "samples_delivered": sum(sum(c.values()) for c in per_epoch.values()),
         "expected_per_epoch": sum(expected.values()), "samples_lost": lost, "samples_duplicated": dup,
         "faults_injected": dict(faults), "faults_total": sum(faults.values()),
+        "accounting_current_feeder": {"read": a["read"], "delivered": a["delivered"], "quarantined": quarantined,
+                                      "skipped_by_rule": skipped, "in_flight": a.get("in_flight", 0)},
+        "uncounted_samples": uncounted,
         "actors_replaced_current_feeder": stats["actors_replaced"],
-        "quarantined_by_reason_current_feeder": stats["accounting"]["quarantined"],
+        "quarantined_by_reason_current_feeder": a["quarantined"],
+        "kill_key": kill_key,  # quarantined worker_died by each feeder that reached it
+        "decoded_bytes_budget_mib": DECODED_BYTES_BUDGET >> 20, "rss_budget_mib": rss_budget_mib,
         "ray_rss_mib_after_warmup": round(rss["first"] or 0, 1), "ray_rss_mib_peak": round(rss["peak"], 1),
-        "ray_rss_mib_final": round(rss["final"], 1),
+        "ray_rss_mib_final": round(rss.get("final", 0), 1),
+        "rss_under_budget": rss["peak"] <= rss_budget_mib,
     }
+    report["ok"] = (report["crashes"] == 0 and lost == 0 and dup == 0 and uncounted == 0
+                    and report["rss_under_budget"])
+    return report
