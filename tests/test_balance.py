@@ -416,3 +416,32 @@ def test_profile_prediction_for_many_ranks_from_one_ranks_micro_batches(mixed):
     assert on["straggler_ratio"] < off["straggler_ratio"] and on["straggler_ratio"] <= 1.05
     assert on == balance.profile_straggler(shapes, 64, 4, model, True)  # seeded: the same every time
     assert balance.profile_straggler([], 8, 2, model, True)["straggler_ratio"] is None
+
+
+# ---- the profiler's prediction ------------------------------------------------------------------
+def test_profile_writes_the_predicted_straggler_ratio_with_and_without_balancing(tmp_path):
+    """``vlmfeed profile SHARDS --dp N --balance on|off --out DIR`` writes DIR/profile.json with
+    ``straggler_ratio`` per setting: lower balanced than not, and within 1.05 balanced."""
+    import shutil
+    import tempfile
+
+    shards = write_mixed_shards(tmp_path / "shards", n=64, seed=2)
+    ray_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray's socket paths have a length limit
+    out = {}
+    try:
+        for b in ("on", "off"):
+            cmd = [sys.executable, "-m", "datasvc.tools.profile", *shards, "--dp", "4", "--balance", b,
+                   "--out", str(tmp_path / b), "--mbs", "1", "--actors", "1", "--samples", "48", "--num-cpus", "1",
+                   "--no-progress", "--max-pixels", str(512 * 512), "--seq-len", "2048"]
+            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RAY_TMPDIR": ray_dir}, capture_output=True,
+                                  text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            out[b] = json.loads((tmp_path / b / "profile.json").read_text())
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    on, off = out["on"]["straggler_ratio"], out["off"]["straggler_ratio"]
+    assert on.keys() == off.keys() == {"MBS 1, 1 actor(s)"}
+    for setting in on:
+        assert on[setting] < off[setting] and on[setting] <= 1.05
+    run = out["on"]["runs"][0]["straggler"]
+    assert run["dp"] == 4 and run["balance"] is True and run["measured_micro_batches"] > 0

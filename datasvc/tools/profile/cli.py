@@ -87,6 +87,11 @@ def _demand_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mfu", type=float, default=0.4)
     ap.add_argument("--custom-json", help="architecture fields as JSON for --model custom")
     ap.add_argument("--vision-frozen", action="store_true", help="vision tower not trained (forward FLOPs only)")
+    ap.add_argument("--balance", choices=("on", "off"), default="off",
+                    help="predict the straggler ratio over --dp ranks with each step's micro-batches dealt "
+                         "by datasvc.balance (on) or each rank keeping its own (off)")
+    ap.add_argument("--gbs", type=int, help="global batch (rows) a step, for the straggler ratio: each rank "
+                                            "trains GBS / (DP x MBS) micro-batches (default: --grad-accum, else 8)")
     ap.add_argument("--out", default="profile-out", help="directory for profile.json and profile.png")
     ap.add_argument("--no-progress", action="store_true")
 
@@ -115,7 +120,9 @@ def _settings(args, shards) -> Settings:
                     max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,
                     items_per_block=args.items_per_block,
                     block_micro_batches=args.block_micro_batches or TRAINING_BLOCK_MICRO_BATCHES,
-                    chain_blocks=args.chain_blocks)
+                    chain_blocks=args.chain_blocks, dp=args.dp, balance=args.balance == "on", gbs=args.gbs,
+                    micro_batches_per_rank=args.grad_accum if args.grad_accum > 1 else None,
+                    cost_preset=args.model)
 
 
 def _demand(args, ap) -> Demand:
@@ -206,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
 
         report = profile(_settings(args, [p for s in args.shards for p in _shards(s)]), demand, progress=progress)
         print(table(report))
+        print(f"predicted straggler ratio over {args.dp or 1} DP rank(s), balance {args.balance}: "
+              + ", ".join(f"{k}: {v:.3f}" if v is not None else f"{k}: n/a" for k, v in report["straggler_ratio"].items()))
         j, p = _write(args.out, report)
     else:
         if mode == "compare":

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datasvc.batch import grid_patches
+from datasvc.balance import shape_of
 from datasvc.stats import STAGES
 from datasvc.tools.window import steady_window, window_is_full
 from datasvc.video import VIDEO_STAGES
@@ -143,6 +144,7 @@ class _Block:
     transfer_s: float
     cpu: dict | None
     tally: _Tally = field(default_factory=_Tally)
+    shapes: list = field(default_factory=list)  # balance.MicroBatchShape of each micro-batch
 
 
 def _consume(client, feeder, spec, model, samples: int | None, seconds: float | None, timeout_s: float, bar):
@@ -173,6 +175,7 @@ def _consume(client, feeder, spec, model, samples: int | None, seconds: float | 
             if window_is_full(len(blocks), done, elapsed, samples, seconds) or now - t_begin > timeout_s:
                 return blocks, False, cpu
         t = _tally_batch(batch, spec, model)
+        blocks[-1].shapes.append(shape_of(batch))
         blocks[-1].tally.add(t)
         if len(blocks) >= 3:
             bar.update(t.samples)
@@ -225,6 +228,7 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
     if tally.videos:
         out["video"] = _video_report(tally, _stage_diff(s0.get("stages", {}), s1.get("stages", {}), VIDEO_STAGES))
     out.update(short_run=window is None, blocks_measured=len(measured))
+    out["micro_batch_shapes"] = [s for b in measured for s in b.shapes]  # for the straggler prediction
     return out
 
 

@@ -16,6 +16,9 @@ from datasvc.tools.profile.verdict import Demand, verdicts
 
 TRAINING_BLOCK_MICRO_BATCHES = 8
 """Micro-batches a sized block should fill: ``trainer.run``'s ``--block-micro-batches`` default."""
+DEFAULT_MICRO_BATCHES_PER_RANK = 8
+"""Micro-batches a DP rank trains a step when neither --gbs nor --grad-accum says (one would leave
+nothing to balance: each rank's single micro-batch is its step)."""
 
 
 @dataclass
@@ -42,6 +45,30 @@ class Settings:
     of short samples can hold more than an epoch of a small set (image-free mock at MBS 8: 38 epochs
     of the 384-sample set), and cut at each epoch it would fill about a fifth of its rows."""
     seed: int = 0
+    dp: int | None = None
+    """DP ranks the straggler ratio is predicted for (None: one rank, nothing to straggle)."""
+    balance: bool = False
+    """Predict with the step's micro-batches dealt by ``datasvc.balance`` (``--balance on``)."""
+    micro_batches_per_rank: int | None = None
+    """Micro-batches a DP rank trains a step; None: GBS / (DP x MBS) from ``gbs``, else 8."""
+    gbs: int | None = None
+    cost_preset: str | None = None
+    """The pipeline cost model's preset (default: its fitted proxy)."""
+
+    def straggler(self, shapes: list, mbs: int) -> dict:
+        """Predicted straggler ratio (max / mean rank cost a step) over ``dp`` ranks from one
+        rank's measured micro-batches (``balance.profile_straggler``)."""
+        from datasvc import balance
+
+        dp = self.dp or 1
+        per_rank = self.micro_batches_per_rank or (self.gbs // (dp * mbs) if self.gbs else DEFAULT_MICRO_BATCHES_PER_RANK)
+        if per_rank < 1:
+            raise ValueError(f"--gbs {self.gbs} is smaller than DP x MBS = {dp * mbs}")
+        try:
+            model = balance.cost_model(self.pipeline, self.cost_preset)
+        except ValueError:  # a custom model: the pipeline's fitted proxy
+            model = balance.cost_model(self.pipeline)
+        return balance.profile_straggler(shapes, dp, per_rank, model, self.balance)
 
     def config(self, mbs: int, actors: int):
         """The service config of one setting, with blocks as ``trainer.run`` makes them."""
@@ -70,6 +97,8 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
             r = measure(cfg, samples=settings.samples, seconds=settings.seconds,
                         model=demand.model, progress=progress, desc=desc)
             r["items_per_block"] = cfg.items_per_block
+            r["straggler"] = settings.straggler(r.pop("micro_batch_shapes", []), mbs)
+            r["straggler_ratio"] = r["straggler"]["straggler_ratio"]
             r["chain_blocks"] = cfg.chain_blocks
             runs.append(r)
             print(f"  {desc}: {r['rates']['samples_per_s']:.1f} samples/s, "
@@ -80,5 +109,8 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
         "demand": demand.describe(),
         "runs": runs,
         "verdicts": verdicts(runs, settings.mbs, demand),
+        # Predicted, per setting: max / mean rank cost of a step over settings.dp ranks.
+        "straggler_ratio": {f"MBS {r['micro_batch_size']}, {r['actors']} actor(s)": r["straggler_ratio"] for r in runs},
+        "balance": "on" if settings.balance else "off",
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
     }
