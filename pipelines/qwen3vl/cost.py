@@ -86,11 +86,11 @@ _register(Calibration(
     step_overhead_s=0.3508,
     hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
     setting='4-layer 30B-A3B proxy (128 experts), 3d (TP=PP=EP=1), MBS 1-2, no recompute',
-    files=('h200_s5_3d-real-large-mbs1.metrics.jsonl', 'h200_s5_3d-synthetic-large-mbs1.metrics.jsonl', 'h200_s5_3d-mock-large-mbs1.metrics.jsonl', 'h200_s6_3d-real-large-mbs2.metrics.jsonl', 'h200_s6_3d-synthetic-large-mbs2.metrics.jsonl', 'h200_s6_3d-mock-large-mbs2.metrics.jsonl'),
+    files=('h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-real-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-synthetic-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-mock-large-mbs2.metrics.jsonl'),
     commit='1546039+ef4dfb6',
     steps=84,
     rms_rel_error=0.1069,
-    case_rel_errors={'h200_s5_3d-real-large-mbs1.metrics.jsonl': 0.003, 'h200_s5_3d-synthetic-large-mbs1.metrics.jsonl': 0.0172, 'h200_s5_3d-mock-large-mbs1.metrics.jsonl': -0.0301, 'h200_s6_3d-real-large-mbs2.metrics.jsonl': -0.0193, 'h200_s6_3d-synthetic-large-mbs2.metrics.jsonl': -0.0002, 'h200_s6_3d-mock-large-mbs2.metrics.jsonl': 0.0409},
+    case_rel_errors={'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs1.metrics.jsonl': 0.003, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs1.metrics.jsonl': 0.0172, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs1.metrics.jsonl': -0.0301, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-real-large-mbs2.metrics.jsonl': -0.0193, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-synthetic-large-mbs2.metrics.jsonl': -0.0002, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-mock-large-mbs2.metrics.jsonl': 0.0409},
     rel_std_errors={'overhead': 0.062, 'text': 0.275, 'vision': 0.048},
 ))
 _register(Calibration(
@@ -100,11 +100,11 @@ _register(Calibration(
     step_overhead_s=0.417,
     hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
     setting='4-layer 30B-A3B proxy (128 experts), 3d, MBS 4-8, full recompute, 32k-patch vision chunks',
-    files=('h200_s5_3d-real-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200_s5_3d-synthetic-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200_s5_3d-mock-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200_s5_3d-real-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl', 'h200_s5_3d-synthetic-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl', 'h200_s5_3d-mock-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl'),
+    files=('h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl'),
     commit='1546039',
     steps=54,
     rms_rel_error=0.1044,
-    case_rel_errors={'h200_s5_3d-real-large-mbs4-recompute-vchunk32k.metrics.jsonl': -0.0477, 'h200_s5_3d-synthetic-large-mbs4-recompute-vchunk32k.metrics.jsonl': 0.0337, 'h200_s5_3d-mock-large-mbs4-recompute-vchunk32k.metrics.jsonl': 0.03, 'h200_s5_3d-real-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': 0.0187, 'h200_s5_3d-synthetic-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': -0.0156, 'h200_s5_3d-mock-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': -0.0031},
+    case_rel_errors={'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs4-recompute-vchunk32k.metrics.jsonl': -0.0477, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs4-recompute-vchunk32k.metrics.jsonl': 0.0337, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs4-recompute-vchunk32k.metrics.jsonl': 0.03, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': 0.0187, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': -0.0156, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': -0.0031},
     rel_std_errors={'overhead': 0.156, 'text': 0.102, 'vision': 0.035},
 ))
 _register(Calibration(
@@ -114,11 +114,11 @@ _register(Calibration(
     step_overhead_s=0.6843,
     hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
     setting='4-layer 30B-A3B proxy (128 experts), Megatron-FSDP on one GPU, MBS 1-2, no recompute',
-    files=('h200_s6_fsdp-real-large-mbs1.metrics.jsonl', 'h200_s6_fsdp-synthetic-large-mbs1.metrics.jsonl', 'h200_s6_fsdp-mock-large-mbs1.metrics.jsonl', 'h200_s6_fsdp-real-large-mbs2.metrics.jsonl', 'h200_s6_fsdp-synthetic-large-mbs2.metrics.jsonl', 'h200_s6_fsdp-mock-large-mbs2.metrics.jsonl'),
+    files=('h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs2.metrics.jsonl'),
     commit='ef4dfb6',
     steps=69,
     rms_rel_error=0.1609,
-    case_rel_errors={'h200_s6_fsdp-real-large-mbs1.metrics.jsonl': -0.0375, 'h200_s6_fsdp-synthetic-large-mbs1.metrics.jsonl': -0.1067, 'h200_s6_fsdp-mock-large-mbs1.metrics.jsonl': 0.2362, 'h200_s6_fsdp-real-large-mbs2.metrics.jsonl': 0.102, 'h200_s6_fsdp-synthetic-large-mbs2.metrics.jsonl': -0.029, 'h200_s6_fsdp-mock-large-mbs2.metrics.jsonl': -0.079},
+    case_rel_errors={'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs1.metrics.jsonl': -0.0375, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs1.metrics.jsonl': -0.1067, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs1.metrics.jsonl': 0.2362, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs2.metrics.jsonl': 0.102, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs2.metrics.jsonl': -0.029, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs2.metrics.jsonl': -0.079},
     rel_std_errors={'overhead': 0.08, 'text': 0.324, 'vision': 0.147},
 ))
 
@@ -280,11 +280,11 @@ def calibration_inputs(results_dir: str) -> dict[str, tuple[dict[str, bool], dic
                     out[path] = source != "mock"
         return out
 
-    plain = ["h200_s5_{strategy}-{source}-large-mbs1.metrics.jsonl", "h200_s6_{strategy}-{source}-large-mbs1.metrics.jsonl",
-             "h200_s6_{strategy}-{source}-large-mbs2.metrics.jsonl"]
-    recompute = ["h200_s5_{strategy}-{source}-large-mbs4-recompute-vchunk32k.metrics.jsonl",
-                 "h200_s5_{strategy}-{source}-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl",
-                 "h200_s6_{strategy}-{source}-large-mbs4-recompute-vchunk32k.metrics.jsonl"]
+    plain = ["h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/{strategy}-{source}-large-mbs1.metrics.jsonl", "h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/{strategy}-{source}-large-mbs1.metrics.jsonl",
+             "h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/{strategy}-{source}-large-mbs2.metrics.jsonl"]
+    recompute = ["h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/{strategy}-{source}-large-mbs4-recompute-vchunk32k.metrics.jsonl",
+                 "h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/{strategy}-{source}-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl",
+                 "h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/{strategy}-{source}-large-mbs4-recompute-vchunk32k.metrics.jsonl"]
     settings = {
         "h200-3d": ("3d", plain, "3d (TP=PP=EP=1), MBS 1-2, no recompute"),
         "h200-3d-recompute": ("3d", recompute, "3d, MBS 4-8, full recompute, 32k-patch vision chunks"),
