@@ -158,6 +158,25 @@ def test_depth_proxy_peaks_as_quoted(preset, mbs, measured):
     assert plan.fits
 
 
+# The depth proxy as trainer.run picks it with no flags on one H200 (fsdp, MBS 1, full recompute,
+# 32k-patch chunks, expandable segments), real photos and the image-free mock: (summary file, source, peak).
+DEPTH_PROXY_RUNS = [
+    ("h200/train-depth-proxy-main-command/summary.json", "real", 109.28),
+    ("h200/train-depth-proxy-real-vs-mock-fsdp-mbs1/real.summary.json", "real", 109.28),
+    ("h200/train-depth-proxy-real-vs-mock-fsdp-mbs1/mock.summary.json", "mock", 109.0),
+]
+
+
+@pytest.mark.parametrize("name,source,measured", DEPTH_PROXY_RUNS, ids=lambda v: str(v))
+def test_depth_proxy_runs_within_ten_percent(name, source, measured):
+    with open(os.path.join(RESULTS, name)) as f:
+        assert json.load(f)["peak_mem_gib"] == pytest.approx(measured, abs=0.01)
+    plan = plan_job(job("fsdp", 1, "full", 32768, True, preset="qwen3vl-30b-a3b-depth-proxy"), 1, H200_GIB,
+                    Workload(image_share=IMAGE_SHARE[source]), advise=False)
+    assert abs(plan.peak_gib - measured) / measured <= 0.10, plan.peak_gib
+    assert plan.fits
+
+
 @pytest.mark.parametrize("case", OUT_OF_MEMORY, ids=lambda c: f"{c[1]}-mbs{c[2]}-{c[3]}-chunk{c[4]}")
 def test_recorded_out_of_memory_runs_do_not_fit(case):
     evidence, strategy, mbs, rc, chunk, exp, fill = case
