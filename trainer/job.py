@@ -41,6 +41,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blend", default="",
                    help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file (instead of --shards)")
     add_filter_flags(g)
+    g.add_argument("--balance-dp", action="store_true",
+                   help="deal each optimizer step's micro-batches across DP ranks by predicted cost, so no rank "
+                        "straggles (needs GBS / (DP x MBS) >= 2)")
     g.add_argument("--decode", choices=["cpu", "gpu"], default="cpu")
     g.add_argument("--decode-threads", type=int, default=1)
     g.add_argument("--data-actors", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
@@ -219,7 +222,8 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
                              seed=args.data_seed,
                              decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1],
-                             items_per_block=args.items_per_block or 1)
+                             items_per_block=args.items_per_block or 1, balance_dp=args.balance_dp,
+                             micro_batches_per_step=cfg.train.gbs // (cfg.train.mbs * layout0.dp_size))
     if args.items_per_block is not None:
         return data_cfg, None
     data_cfg, sizing = size_blocks(data_cfg, target_micro_batches=args.block_micro_batches)
