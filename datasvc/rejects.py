@@ -6,7 +6,6 @@ valid but excluded by configuration (longer than seq_len).
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -81,8 +80,3 @@ class Accounting:
             "skipped_by_rule": dict(self.skipped_by_rule),
             "ignored_members": dict(self.ignored_members),
         } | ({"noted": dict(self.noted)} if self.noted else {})
-
-    def write_log(self, path: str) -> None:
-        with open(path, "w") as f:
-            for r in self.log:
-                f.write(json.dumps({"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}) + "\n")

@@ -29,7 +29,6 @@ UNDECODED_MEDIA_EXTS = ("heic", "heif", "avif", "jxl", "jp2", "j2k", "jpx", "svg
                         "pgm", "ppm", "pnm", "dng", "cr2", "nef", "arw", "exr", "hdr", "dds", "pcx", "eps", "xcf",
                         "avi", "m4v")
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov")  # decoded by datasvc.video
-TEXT_EXTS = ("txt", "json")
 # Members that would execute code when unpickled: never loaded, always counted.
 PICKLE_EXTS = ("pyd", "pickle", "pkl", "pth", "npy", "npz")
 MAX_JSON_DEPTH = 64
