@@ -17,6 +17,7 @@ import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 
+from datasvc.blend import merge_source_stats
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
 from datasvc.locality import release_budgets, this_node
@@ -304,7 +305,9 @@ class DataService:
         moved = {k: sum(s[k] for s in per_rank) for k in ("bytes_same_node", "bytes_cross_node")}
         # in_flight: read, not handed out yet (see producer.BlockProducer.stats)
         in_flight = sum(s["accounting"].get("in_flight", 0) for s in per_rank)
-        return {"ranks": per_rank, "accounting": {**total.as_dict(), "in_flight": in_flight}, **moved}
+        sources = [s["sources"] for s in per_rank if "sources" in s]
+        by_source = {"sources": merge_source_stats(sources)} if sources else {}
+        return {"ranks": per_rank, "accounting": {**total.as_dict(), "in_flight": in_flight}, **by_source, **moved}
 
     def _live_feeder(self, rank: int):
         """The feeder of ``rank`` now (a client may have restarted it since this service started it)."""

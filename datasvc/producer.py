@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 from datasvc.batch import PackedBatch
+from datasvc.blend import SourceCounts
 from datasvc.config import ServiceConfig
 from datasvc.plan import EpochPlan, Position, dataset_changes, dataset_fingerprint
 from datasvc.process import ItemResult, WorkItem
@@ -164,6 +165,7 @@ class BlockProducer:
             process = ItemProcessor(cfg)
         self.runner: ItemRunner = process if hasattr(process, "submit") else InlineRunner(process)
         self.acct = Accounting()
+        self.sources = SourceCounts(self.plan.blend) if cfg.blend else None  # per blend source
         self.times = StageTimes()
         self.stream = StreamStats()
         self.budget = FailureBudget(cfg.max_consecutive_rejections, cfg.max_rejection_rate,
@@ -210,6 +212,7 @@ class BlockProducer:
                 "start": self.start.as_dict(),
                 "position": self._next.as_dict(),
                 "accounting": {**self.acct.as_dict(), "in_flight": self._in_flight()},
+                **({"sources": self.sources.as_dict()} if self.sources else {}),
                 "stages": self.times.as_dict(),
                 **self.stream.as_dict(),
                 "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
@@ -223,6 +226,8 @@ class BlockProducer:
         with self._lock:
             self.acct.delivered += len(batch.sample_keys)
             self._unsent -= len(batch.sample_keys)
+            if self.sources:
+                self.sources.add_delivered(batch.sample_keys)
             grids = batch.image_grid_thw
             vision = int(grids.prod(axis=1).sum()) // self.spec.merge_size**2 if len(grids) else 0
             s = self.stream
@@ -315,6 +320,8 @@ class BlockProducer:
             for item, r in zip(items, results):
                 samples.extend(r.samples)
                 self.acct.merge(r.accounting)
+                if self.sources:
+                    self.sources.add_item(item, r)
                 self.times.merge(r.times)
                 self.stream.images += r.images
                 self.stream.megapixels += r.megapixels
@@ -339,6 +346,9 @@ class BlockProducer:
                 skip = 0
             # Samples of skipped micro-batches were delivered before the restore.
             self.acct.delivered += sum(len(b.sample_keys) for b in batches[:skip])
+            if self.sources:
+                for b in batches[:skip]:
+                    self.sources.add_delivered(b.sample_keys)
             self._unsent += sum(len(b.sample_keys) for b in batches[skip:])
         out = [(batch, Position(epoch, block, i, step + i - skip)) for i, batch in enumerate(batches) if i >= skip]
         return Block(epoch, block, out)

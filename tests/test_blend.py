@@ -134,9 +134,14 @@ def test_a_blended_stream_resumes_exactly_and_counts_by_source(two_sources):
 
     spec, root = two_sources
     cfg = blend_config(spec)
-    whole = [(b.sample_keys, p) for b, p in BlockProducer(cfg).micro_batches()]
+    first = BlockProducer(cfg)
+    whole = [(b.sample_keys, p) for b, p in first.micro_batches()]
     per_source = Counter("pairs" if "/pairs/" in k else "photos" for keys, _ in whole for k in keys)
     assert per_source["pairs"] and per_source["photos"] > per_source["pairs"]
+    stats = first.stats()["sources"]  # the producer's own per-source accounting
+    assert {name: d["delivered"] for name, d in stats.items()} == dict(per_source)
+    assert sum(d["read"] for d in stats.values()) == first.stats()["accounting"]["read"]
+    assert {name: d["weight"] for name, d in stats.items()} == {"photos": 0.75, "pairs": 0.25}
     cut = len(whole) // 2
     producer = BlockProducer(cfg)
     it = producer.micro_batches()
