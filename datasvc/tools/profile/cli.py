@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from datasvc.filters import add_filter_flags, filters_from_flags
 from datasvc.tools.profile.sweep import TRAINING_BLOCK_MICRO_BATCHES, Settings, profile
 from datasvc.tools.profile.verdict import Demand
 
@@ -35,11 +36,12 @@ def _floats(s: str) -> list[float]:
 
 
 def _shards(spec: str) -> list[str]:
-    """A directory (its *.tar), a glob or brace pattern, or a comma list of them."""
+    """A directory (its tars, plain or gzip; an Energon dataset directory as it is), a glob, brace
+    pattern or s3:// URL, or a comma list of them."""
     out = []
     for part in spec.split(","):
-        if os.path.isdir(part):
-            out.extend(sorted(glob.glob(os.path.join(part, "*.tar"))))
+        if os.path.isdir(part) and not os.path.isdir(os.path.join(part, ".nv-meta")):
+            out.extend(sorted(p for ext in ("*.tar", "*.tar.gz", "*.tgz") for p in glob.glob(os.path.join(part, ext))))
         else:
             out.append(part)
     if not out:
@@ -72,6 +74,8 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
                     help="blocks packed as a chain, a block's part-filled rows waiting for the next block "
                          f"(default {TRAINING_CHAIN_BLOCKS}, as trainer.run)")
     ap.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
+    ap.add_argument("--blend", default="", help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file")
+    add_filter_flags(ap)
 
 
 def _demand_args(ap: argparse.ArgumentParser) -> None:
@@ -100,7 +104,8 @@ def _parser(mode: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"vlmfeed profile{'' if mode == 'profile' else ' ' + mode}",
                                  description=__doc__.split("\n\n")[0])
     if mode == "profile":
-        ap.add_argument("shards", nargs="+", help="shard paths, globs, brace patterns or directories")
+        ap.add_argument("shards", nargs="*", help="shard paths, globs, brace patterns, s3:// URLs or directories "
+                                                  "(none with --blend)")
     elif mode == "compare":
         ap.add_argument("sources", nargs="+", metavar="NAME=SHARDS",
                         help="sources to compare, the first is the reference (e.g. real=DIR synthetic=DIR mock=DIR)")
@@ -118,6 +123,7 @@ def _settings(args, shards) -> Settings:
     return Settings(shards=shards, pipeline=args.pipeline, seq_len=args.seq_len, mbs=args.mbs, decode=args.decode,
                     actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
                     max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,
+                    filters=filters_from_flags(args), blend=args.blend,
                     items_per_block=args.items_per_block,
                     block_micro_batches=args.block_micro_batches or TRAINING_BLOCK_MICRO_BATCHES,
                     chain_blocks=args.chain_blocks, dp=args.dp, balance=args.balance == "on", gbs=args.gbs,
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = argv.pop(0) if argv and argv[0] in MODES else "profile"
     ap = _parser(mode)
     args = ap.parse_args(argv)
+    if mode == "profile" and not args.shards and not args.blend:
+        ap.error("give shards (paths, globs, directories, s3:// URLs) or --blend")
     for flag in ("block_micro_batches", "chain_blocks", "items_per_block"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")

@@ -45,6 +45,10 @@ class Settings:
     of short samples can hold more than an epoch of a small set (image-free mock at MBS 8: 38 epochs
     of the 384-sample set), and cut at each epoch it would fill about a fifth of its rows."""
     seed: int = 0
+    filters: tuple[str, ...] = ()
+    """Rules a sample must pass (``ServiceConfig.filters``)."""
+    blend: str = ""
+    """Datasets in fixed proportions (``ServiceConfig.blend``); ``shards`` may then be empty."""
     dp: int | None = None
     """DP ranks the straggler ratio is predicted for (None: one rank, nothing to straggle)."""
     balance: bool = False
@@ -81,7 +85,8 @@ class Settings:
                             decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
                             items_per_block=self.items_per_block or 1, seed=self.seed, blocks_span_epochs=True,
-                            chain_blocks=self.chain_blocks or TRAINING_CHAIN_BLOCKS)
+                            chain_blocks=self.chain_blocks or TRAINING_CHAIN_BLOCKS, filters=tuple(self.filters),
+                            blend=self.blend)
         return cfg if self.items_per_block else size_blocks(cfg, self.block_micro_batches)[0]
 
 
