@@ -153,7 +153,12 @@ def test_the_scripts_ray_start_lines_make_a_two_node_cluster():
     token = Path(tmp, "token")
     token.write_text(os.urandom(32).hex())
     bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "RAY_TMP": tmp, "GPUS_PER_NODE": "0",
+    # An embedded cluster started earlier in this process (conftest's ``ray_local``) leaves its
+    # single-machine mode and token in the environment; the script's cluster is a cluster of its own.
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "VLMFEED_RAY_TOKEN", "RAY_ADDRESS")
+                 and not k.startswith("RAY_AUTH")}
+    env = {**inherited, "PATH": bindir + os.pathsep + os.environ["PATH"], "RAY_TMP": tmp, "GPUS_PER_NODE": "0",
            "CPUS_PER_NODE": "1", "OBJECT_STORE_BYTES": str(80 << 20), "TOKEN_FILE": str(token),
            "RAY_PORT": str(_free_port()), "DASHBOARD_PORT": str(_free_port()), "RAY_USAGE_STATS_ENABLED": "0"}
     head = {**_node_ports(), "MIN_WORKER_PORT": "21000", "MAX_WORKER_PORT": "21099"}

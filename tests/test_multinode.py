@@ -91,6 +91,23 @@ TEMP_DIRS: list[str] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _own_ray_connection():
+    """These tests start and join clusters of their own, and a driver holds one connection: an
+    earlier test's session cluster (conftest's ``ray_local``) is left for the module's time and made
+    again afterwards, with the same settings, for the tests that follow."""
+    had_session = ray.is_initialized()
+    if had_session:
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if had_session:
+        from datasvc.cluster import connect
+
+        connect(num_cpus=2, object_store_memory=400 * 1024 * 1024)
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _remove_temp_dirs():
     """Ray processes still exiting after a cluster's shutdown may write in its temp dir for a while:
     each is removed after its test and again when the module is done."""
