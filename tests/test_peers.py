@@ -25,9 +25,11 @@ def own_ray(tmp_path_factory):
 
     from datasvc.cluster import connect
 
+    joined = ray.is_initialized()  # an earlier test's session cluster: used, and left running for later ones
     connect(num_cpus=2, object_store_memory=400 * 1024 * 1024, temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
-    ray.shutdown()
+    if not joined:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
