@@ -19,8 +19,8 @@ PATCH_DIM = 3 * 2 * 16 * 16
 
 @pytest.fixture(scope="module")
 def own_ray(tmp_path_factory):
-    """A Ray cluster of this module's own (its temp dir given, so a cluster another process
-    started on this host is never joined)."""
+    """The embedded cluster: the session's if an earlier test started it, else one of this module's
+    own (its temp dir given, so a cluster another process started on this host is never joined)."""
     import ray
 
     from datasvc.cluster import connect
