@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "inspect": ("datasvc.tools.inspect", "write what a rank receives for some shards"),
     "profile": ("datasvc.tools.profile.cli", "measure data throughput alone and judge it against a trainer"),
     "synth": ("datasvc.tools.synth.cli", "write realistic synthetic (or image-free mock) shards"),
-    "bench": ("datasvc.tools.bench.cli", "benchmarks: decode, service, soak, sizing"),
+    "bench": ("datasvc.tools.bench.cli", "benchmarks: decode, service, soak, sizing, balance, isolation, peers"),
     "convert": ("datasvc.tools.convert", "convert other data formats to WebDataset shards"),
     # The one import of the trainer from the tools, by name and only when chosen: the planner sizes
     # a training job, so it lives with the trainer; the tools package never imports it statically.
