@@ -93,18 +93,14 @@ TEMP_DIRS: list[str] = []
 @pytest.fixture(scope="module", autouse=True)
 def _own_ray_connection():
     """These tests start and join clusters of their own, and a driver holds one connection: an
-    earlier test's session cluster (conftest's ``ray_local``) is left for the module's time and made
-    again afterwards, with the same settings, for the tests that follow."""
-    had_session = ray.is_initialized()
-    if had_session:
+    earlier test's session cluster (conftest's ``ray_local``) is ended first. It is not made again
+    here: a later module's torch DataLoader forks this process, which a live Ray connection's
+    threads make unsafe; tests after this one connect when they need to."""
+    if ray.is_initialized():
         ray.shutdown()
     yield
     if ray.is_initialized():
         ray.shutdown()
-    if had_session:
-        from datasvc.cluster import connect
-
-        connect(num_cpus=2, object_store_memory=400 * 1024 * 1024)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,17 +19,15 @@ PATCH_DIM = 3 * 2 * 16 * 16
 
 @pytest.fixture(scope="module")
 def own_ray(tmp_path_factory):
-    """The embedded cluster: the session's if an earlier test started it, else one of this module's
-    own (its temp dir given, so a cluster another process started on this host is never joined)."""
+    """A Ray cluster of this module's own (its temp dir given, so a cluster another process
+    started on this host is never joined)."""
     import ray
 
     from datasvc.cluster import connect
 
-    joined = ray.is_initialized()  # an earlier test's session cluster: used, and left running for later ones
     connect(num_cpus=2, object_store_memory=400 * 1024 * 1024, temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
-    if not joined:
-        ray.shutdown()
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
