@@ -240,12 +240,5 @@ class BalancedProducer:
     def _hand_out(self, batch: PackedBatch, pos: Position) -> None:
         with self._lock:
             self.acct.delivered += len(batch.sample_keys)
-            grids = batch.image_grid_thw
-            vision = int(grids.prod(axis=1).sum()) // self.spec.merge_size**2 if len(grids) else 0
-            s = self.stream
-            s.vision_tokens += vision
-            s.text_tokens += batch.real_tokens - vision
-            s.real_tokens += batch.real_tokens
-            s.row_tokens += batch.tokens.size
-            s.micro_batches += 1
+            self.stream.add_batch(batch, self.spec.merge_size)
             self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1)

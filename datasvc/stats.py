@@ -197,6 +197,17 @@ class StreamStats:
         """Real tokens over row slots of the delivered micro-batches."""
         return self.real_tokens / max(1, self.row_tokens)
 
+    def add_batch(self, batch, merge_size: int) -> None:
+        """Count one delivered micro-batch (a ``PackedBatch``): its vision tokens are its patches over
+        the merge window (``merge_size``**2 patches make one token)."""
+        grids = batch.image_grid_thw
+        vision = int(grids.prod(axis=1).sum()) // merge_size**2 if len(grids) else 0
+        self.vision_tokens += vision
+        self.text_tokens += batch.real_tokens - vision
+        self.real_tokens += batch.real_tokens
+        self.row_tokens += batch.tokens.size
+        self.micro_batches += 1
+
     def as_dict(self) -> dict:
         return {"micro_batches": self.micro_batches, "images": self.images, "megapixels": round(self.megapixels, 3),
                 "text_tokens": self.text_tokens, "vision_tokens": self.vision_tokens,
