@@ -16,28 +16,12 @@ from PIL import Image
 from datasvc.process import WorkItem, encode_from_headers, process_item
 from datasvc.samples import encode_image, real_photos
 from datasvc.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
+from datasvc.tools.bench.hostile import add, convo, good, header_offset, write_tar
 
 
 @pytest.fixture(scope="module")
 def photo() -> bytes:
     return encode_image(real_photos()[1][1])  # chelsea, 451x300
-
-
-def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
-def write_tar(path, members) -> str:
-    with tarfile.open(str(path), "w", format=tarfile.GNU_FORMAT) as tar:
-        for name, data in members:
-            add(tar, name, data)
-    return str(path)
-
-
-def good(key: str, photo: bytes, caption: str = "A cat.") -> list:
-    return [(f"{key}.jpg", photo), (f"{key}.txt", caption.encode())]
 
 
 def run(path, qwen3vl, decoder):
@@ -47,11 +31,6 @@ def run(path, qwen3vl, decoder):
     acct.delivered = len(res.samples)
     assert acct.balanced(), acct.as_dict()
     return idx, res, {r.key: r.reason for r in acct.log}, sorted(s.key for s in res.samples)
-
-
-def convo(text: str) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": "<image> what is it?"},
-                                    {"role": "assistant", "content": text}]}).encode()
 
 
 @pytest.fixture
@@ -185,17 +164,12 @@ def test_long_member_names(tmp_path, photo, qwen3vl, cpu_decoder, fmt):
     assert delivered == sorted([key, "short"]) and not reasons
 
 
-def _header_offset(path: str, name: str) -> int:
-    with tarfile.open(path) as tar:
-        return tar.getmember(name).offset
-
-
 def test_damaged_header_costs_its_sample_and_the_shard_reads_on(tmp_path, photo, qwen3vl, cpu_decoder):
     keys = [f"s{i:02d}" for i in range(8)]
     members = [m for k in keys for m in good(k, photo)]
     path = write_tar(tmp_path / "damaged.tar", members)
     data = bytearray(open(path, "rb").read())
-    at = _header_offset(path, "s03.jpg")
+    at = header_offset(path, "s03.jpg")
     data[at + 148:at + 156] = b"0000000\0"  # checksum field: the header fails its check, its name reads
     open(path, "wb").write(bytes(data))
     idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
@@ -208,7 +182,7 @@ def test_damaged_header_costs_its_sample_and_the_shard_reads_on(tmp_path, photo,
 def garble(path: str, *names: str) -> None:
     data = bytearray(open(path, "rb").read())
     for name in names:
-        at = _header_offset(path, name)
+        at = header_offset(path, name)
         data[at:at + 512] = os.urandom(512)  # nothing of the header left to read
     open(path, "wb").write(bytes(data))
 
@@ -235,7 +209,7 @@ def test_a_sample_lost_whole_behind_unreadable_headers_is_counted(tmp_path, phot
 def test_a_whole_sample_behind_damaged_headers_is_counted(tmp_path, photo, qwen3vl, cpu_decoder):
     path = write_tar(tmp_path / "lost.tar", good("a", photo) + [("b.txt", b"lone member")] + good("c", photo))
     data = bytearray(open(path, "rb").read())
-    at = _header_offset(path, "b.txt")
+    at = header_offset(path, "b.txt")
     data[at + 148:at + 156] = b"0000000\0"
     open(path, "wb").write(bytes(data))
     idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)

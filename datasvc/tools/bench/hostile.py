@@ -22,11 +22,11 @@ def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_tar(path: str, members: list[tuple[str, bytes]]) -> str:
-    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(str(path), "w", format=tarfile.GNU_FORMAT) as tar:
         for name, data in members:
             add(tar, name, data)
-    return path
+    return str(path)
 
 
 def good(key: str, photo: bytes, caption: str = "A cat.") -> list[tuple[str, bytes]]:
