@@ -138,11 +138,28 @@ def temp_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def start_head(connect: bool = False, **head_args) -> Cluster:
+    """A ``Cluster`` with its head started. ``Cluster`` writes the head's address into Ray's default
+    temp dir whatever ``temp_dir`` says, so that dir must exist (on a fresh machine it does not);
+    a head that fails to start is shut down, not left running under the tests that follow."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    c = Cluster()
+    try:
+        c.add_node(**head_args)
+        if connect:
+            c.connect()
+    except BaseException:
+        c.shutdown()
+        raise
+    return c
+
+
 @pytest.fixture
 def cluster(temp_dir):
     """Head (1 CPU, runs the driver) and two workers of 1 CPU, each with a resource naming it."""
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE, num_cpus=1, resources={"head": 1},
-                                                          temp_dir=temp_dir, _system_config=FAST_DEATH))
+    c = start_head(**NODE, num_cpus=1, resources={"head": 1}, temp_dir=temp_dir, _system_config=FAST_DEATH)
     nodes = {"n1": c.add_node(num_cpus=1, resources={"n1": 1}, **NODE),
              "n2": c.add_node(num_cpus=1, resources={"n2": 1}, **NODE)}
     c.wait_for_nodes()
@@ -256,8 +273,7 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
                   max_batches_ahead=2, prefetch=1)
     ref = [keys for _, keys in reference(config, 0)]
     out = os.path.join(temp_dir, "driver.json")
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE, num_cpus=1, temp_dir=temp_dir,
-                                                          _system_config=FAST_DEATH))
+    c = start_head(**NODE, num_cpus=1, temp_dir=temp_dir, _system_config=FAST_DEATH)
     try:
         driver = subprocess.Popen([sys.executable, "-c", HEAD_LOSS_DRIVER, c.address, json.dumps(fields), out],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -277,8 +293,7 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
     saved = json.load(open(out))
     assert saved["got"] == ref[:3]
 
-    c = Cluster(initialize_head=True, connect=True,
-                head_node_args=dict(NODE, num_cpus=1, temp_dir=temp_dir + "/again"))
+    c = start_head(connect=True, **NODE, num_cpus=1, temp_dir=temp_dir + "/again")
     try:
         svc = DataService(config, run="resumed")
         try:

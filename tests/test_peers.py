@@ -2,6 +2,8 @@
 each yield micro-batches in the rank's contract on CPU, on real shards with real Ray, so the GPU
 benchmark cannot rot between GPU runs; and the meter counts the CPU of a process tree."""
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 
@@ -15,6 +17,7 @@ from trainer.bench.peers_data import PeerSetting, check_contract, shard_samples
 # Two bundled shards: single-image captions and two-image conversations (000003 holds the pairs).
 SHARDS = tuple(default_shards()[2:4])
 PATCH_DIM = 3 * 2 * 16 * 16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +33,12 @@ def own_ray(tmp_path_factory):
     ray.shutdown()
 
 
+SETTING = PeerSetting(shards=SHARDS, seq_len=4096, mbs=2)
+
+
 @pytest.fixture(scope="module")
 def setting():
-    return PeerSetting(shards=SHARDS, seq_len=4096, mbs=2)
+    return SETTING
 
 
 def check(batch, setting):
@@ -50,27 +56,43 @@ def test_the_peers_train_vlmfeeds_own_conversations():
                                    for s in pairs)
 
 
-def test_megatron_bridge_loader_yields_the_rank_contract(setting, tmp_path):
+# Run in a fresh interpreter, as a Bridge job runs: the loader forks its DataLoader worker, and a
+# fork from this long-lived test process (threads of earlier tests' Ray, DALI and OpenCV pools) can
+# deadlock in the child.
+STOCK_PROBE = """
+import json, sys
+from tests.test_peers import SETTING, check
+from trainer.bench.peers_stock import StockPath
+from trainer.megatron.step import to_stock_batch
+
+path = StockPath(SETTING, sys.argv[1], samples=12, num_workers=1)
+config = path.config
+try:
+    batches = [next(path) for _ in range(6)]
+finally:
+    path.close()
+stock = to_stock_batch(batches[0])
+print(json.dumps({"dataloader_type": config.dataloader_type,
+                  "deferred_packing": config.defer_in_batch_packing_to_step,
+                  "counts": [check(b, SETTING) for b in batches],
+                  "stock_grid_columns": stock["visual_inputs"].image_grid_thw.shape[1]}))
+"""
+
+
+def test_megatron_bridge_loader_yields_the_rank_contract(tmp_path):
     pytest.importorskip("megatron.bridge")
     pytest.importorskip("qwen_vl_utils")
-    from trainer.bench.peers_stock import StockPath
-
-    path = StockPath(setting, str(tmp_path), samples=12, num_workers=1)  # a real DataLoader worker process
-    assert path.config.dataloader_type == "cyclic" and path.config.defer_in_batch_packing_to_step
-    try:
-        batches = [next(path) for _ in range(6)]
-    finally:
-        path.close()
-    counts = [check(b, setting) for b in batches]
-    assert all(c["rows"] == setting.mbs for c in counts)  # padded rows, one sample each
+    done = subprocess.run([sys.executable, "-c", STOCK_PROBE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe["dataloader_type"] == "cyclic" and probe["deferred_packing"]
+    counts = probe["counts"]  # one real DataLoader worker process made these
+    assert all(c["rows"] == SETTING.mbs for c in counts)  # padded rows, one sample each
     assert sum(c["images"] for c in counts) == 15  # all 12 samples once: 9 single, 3 pairs
     assert all(c["width"] % 128 == 0 for c in counts)  # Bridge's collate pads to a multiple of 128
     assert all(c["real_token_fraction"] < 1 for c in counts)
-    # The rank's adapter to the stock qwen3_vl_step takes it as it is.
-    from trainer.megatron.step import to_stock_batch
-
-    stock = to_stock_batch(batches[0])
-    assert stock["visual_inputs"].image_grid_thw.shape[1] == 3
+    assert probe["stock_grid_columns"] == 3  # the adapter to the stock qwen3_vl_step takes it as it is
 
 
 def test_ray_data_path_yields_the_rank_contract(setting, own_ray):
