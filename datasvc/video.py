@@ -64,6 +64,8 @@ class VideoHeader:
     height: int
     frames: int
     fps: float
+    keyframes: int = 0
+    stream_bytes: int = 0  # the video stream's packets, without the container's overhead
 
     @property
     def duration(self) -> float:
@@ -137,25 +139,28 @@ def probe_video(data: bytes, spec: VideoSpec | None = None) -> VideoHeader:
             kinds = sorted({s.type for s in container.streams}) or ["none"]
             raise ImageRejected("video_no_video_stream", f"streams: {', '.join(kinds)}")
         stream = container.streams.video[0]
-        codec = stream.codec_context.name if stream.codec_context else "unknown"
+        # The codec, not the decoder PyAV picked for it (AV1 is read by "libdav1d").
+        codec = stream.codec_context.codec.canonical_name if stream.codec_context else "unknown"
         if codec not in KNOWN_CODECS:
             raise ImageRejected("video_unsupported_codec", f"codec {codec}")
         width, height = stream.codec_context.width, stream.codec_context.height
         rate = stream.average_rate or stream.guessed_rate
         declared = container.duration / 1e6 if container.duration else None  # microseconds
         try:
-            packets = [(p.pts, p.duration, p.pos, p.size) for p in container.demux(stream) if p.size > 0]
+            packets = [(p.pts, p.duration, p.pos, p.size, p.is_keyframe)
+                       for p in container.demux(stream) if p.size > 0]
         except Exception as exc:
             raise _reject_open(exc) from None
     if width <= 0 or height <= 0:
         raise ImageRejected("video_corrupt", f"frame size {width}x{height}")
     if not packets:
         raise ImageRejected("video_truncated", "no video frames in the container")
-    if any(pos is not None and pos >= 0 and pos + size > len(data) for _pts, _d, pos, size in packets):
+    if any(pos is not None and pos >= 0 and pos + size > len(data) for _pts, _d, pos, size, _k in packets):
         raise ImageRejected("video_truncated", "frames indexed past the end of the file")
     if not rate or float(rate) <= 0:
         raise ImageRejected("video_corrupt", "no frame rate in the container")
-    header = VideoHeader(codec, width, height, len(packets), float(rate))
+    header = VideoHeader(codec, width, height, len(packets), float(rate), keyframes=sum(p[4] for p in packets),
+                         stream_bytes=sum(p[3] for p in packets))
     _check_constant_rate(packets, spec.max_frame_rate_spread if spec else 0.05)
     if declared and header.duration < 0.9 * declared - 1 / header.fps:
         raise ImageRejected("video_truncated", f"{header.frames} frames ({header.duration:.2f} s) of a "

@@ -17,6 +17,7 @@ from PIL import Image, JpegImagePlugin
 from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
 from datasvc.tools.synth.dist import PROFILES, Dist, Profile
 from datasvc.tools.synth.text import _count_words
+from datasvc.tools.synth.videos import fit_sizes, mean_or_none, video_record
 
 # libjpeg's base luminance table (ITU T.81 Annex K), natural order, which Pillow also uses for
 # ``Image.quantization``. Quality q scales it by 5000/q (q < 50) or 200 - 2q.
@@ -99,8 +100,12 @@ def _conversation_words(obj) -> tuple[int, int] | None:
 def _sample_record(raw) -> dict | None:
     """One sample's images' header facts and its text lengths in words (None: nothing to count)."""
     images = [rec for rec in (_image_record(data) for _ext, data in raw.images) if rec is not None]
+    videos = []
+    for ext, data in raw.videos:
+        if (v := video_record(data)) is not None:
+            videos.append(dict(v, ext=ext.rsplit(".", 1)[-1]))
     conv = _conversation_words(raw.conversation) if raw.conversation is not None else None
-    rec = {"key": raw.key, "images": images, "conversation": conv is not None,
+    rec = {"key": raw.key, "images": images, "videos": videos, "conversation": conv is not None,
            "caption_words": None, "question_words": None, "answer_words": None}
     if conv is not None:
         rec["question_words"], rec["answer_words"] = conv
@@ -110,12 +115,12 @@ def _sample_record(raw) -> dict | None:
         rec["text_words"] = rec["caption_words"]
     else:
         rec["text_words"] = 0
-    return rec if images or rec["text_words"] else None
+    return rec if images or videos or rec["text_words"] else None
 
 
 def _scan(paths) -> list[dict]:
     """One record per readable sample, read as the service reads it (``datasvc.shards``): only
-    image, txt and json members are read, anything else (pickles included) is skipped unread, and
+    image, video, txt and json members are read, anything else (pickles included) is skipped unread, and
     samples the service would reject unread (truncated, oversized, bad text) are left out."""
     records = []
     for path in shard_paths(paths):
@@ -160,6 +165,27 @@ def image_statistics(paths) -> dict:
         "gray_fraction": m([im["mode"] in ("L", "LA", "1", "I", "I;16") for im in imgs]),
         "caption_words": m([r["text_words"] for r in recs]),
         "conversation_fraction": m([r["conversation"] for r in recs]),
+        **video_statistics(recs),
+    }
+
+
+def video_statistics(recs: list[dict]) -> dict:
+    """What the videos of the sample records are: count, length, rate, size, bitrate, codecs."""
+    vids = [v for r in recs for v in r["videos"]]
+    fmts = [f"{v['codec']}/{v['ext']}" for v in vids]
+    return {
+        "videos": len(vids),
+        "videos_per_sample": mean_or_none(len(r["videos"]) for r in recs),
+        "video_samples_fraction": mean_or_none(bool(r["videos"]) for r in recs),
+        "video_seconds": mean_or_none(v["seconds"] for v in vids),
+        "video_fps": mean_or_none(v["fps"] for v in vids),
+        "video_frames": mean_or_none(v["frames"] for v in vids),
+        "video_megapixels": mean_or_none(v["w"] * v["h"] / 1e6 for v in vids),
+        "video_kbps": mean_or_none(v["bitrate"] / 1e3 for v in vids),
+        "video_bits_per_pixel": mean_or_none(v["bits_per_pixel"] for v in vids),
+        "video_gop_seconds": mean_or_none(v["gop_seconds"] for v in vids),
+        "total_video_bytes": int(sum(v["nbytes"] for v in vids)),
+        "video_format_mix": {f: fmts.count(f) / len(fmts) for f in sorted(set(fmts))},
     }
 
 
@@ -193,11 +219,13 @@ def calibrate(paths, name: str = "calibrated") -> Profile:
         if im["subsampling"]:
             sub[im["subsampling"]] = sub.get(im["subsampling"], 0) + 1
     caps = [r["caption_words"] for r in recs if r["caption_words"] is not None]
+    video = _video_fields(recs)
     convs = [r for r in recs if r["conversation"]]
     qual = [im["quality"] for im in jpegs if im["quality"] is not None]
     return Profile(
         name=name,
-        description=f"calibrated from {len(recs)} samples / {len(imgs)} images",
+        description=f"calibrated from {len(recs)} samples / {len(imgs)} images"
+                    + (f" / {sum(len(r['videos']) for r in recs)} videos" if video else ""),
         megapixels=Dist.fit_quantiles(im["w"] * im["h"] / 1e6 for im in imgs) if imgs else d.megapixels,
         aspect=Dist.fit_quantiles(im["w"] / im["h"] for im in imgs) if imgs else d.aspect,
         jpeg_quality=Dist.fit_quantiles(qual) if qual else d.jpeg_quality,
@@ -212,6 +240,29 @@ def calibrate(paths, name: str = "calibrated") -> Profile:
         progressive_fraction=float(np.mean([im["progressive"] for im in jpegs])) if jpegs else 0.0,
         gray_fraction=float(np.mean([im["mode"] in ("L", "LA", "1") for im in imgs])) if imgs else 0.0,
         subsampling={k: v / sum(sub.values()) for k, v in sorted(sub.items())} if sub else {"4:2:0": 1.0},
+        **video,
     )
+
+
+def _video_fields(recs: list[dict]) -> dict:
+    """The profile's video fields fitted to the records' videos; none (the defaults, unused) when
+    the shards hold no video, so an image set calibrates exactly as before."""
+    vids = [v for r in recs for v in r["videos"]]
+    if not vids:
+        return {}
+    media: dict[str, float] = {}
+    for r in recs:
+        key = f"{len(r['images'])}+{len(r['videos'])}"
+        media[key] = media.get(key, 0) + 1 / len(recs)
+    by_format: dict[str, list[dict]] = {}
+    for v in vids:
+        by_format.setdefault(f"{v['codec']}/{v['ext']}", []).append(v)
+    by_format = dict(sorted(by_format.items()))
+    per_format = lambda key: {f: Dist.fit_quantiles(v[key] for v in vs) for f, vs in by_format.items()}  # noqa: E731
+    return {"media_per_sample": dict(sorted(media.items())),
+            "video_formats": {f: len(vs) / len(vids) for f, vs in by_format.items()},
+            "video_sizes": fit_sizes(vids), "video_fps": Dist.fit_choice(round(v["fps"], 3) for v in vids),
+            "video_seconds": Dist.fit_quantiles(v["seconds"] for v in vids),
+            "video_bits_per_pixel": per_format("bits_per_pixel"), "video_gop_seconds": per_format("gop_seconds")}
 
 

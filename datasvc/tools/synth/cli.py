@@ -23,6 +23,13 @@ _REPORT_ROWS = [
     ("jpeg quality", "jpeg_quality", "{:.1f}"),
     ("caption words", "caption_words", "{:.1f}"),
     ("conversations", "conversation_fraction", "{:.2f}"),
+    ("videos", "videos", "{:.0f}"),
+    ("video seconds", "video_seconds", "{:.2f}"),
+    ("video fps", "video_fps", "{:.2f}"),
+    ("video MP", "video_megapixels", "{:.3f}"),
+    ("video kbps", "video_kbps", "{:.0f}"),
+    ("video bits/px", "video_bits_per_pixel", "{:.3f}"),
+    ("video GOP s", "video_gop_seconds", "{:.2f}"),
 ]
 
 
@@ -37,13 +44,15 @@ def _report(columns: dict[str, dict]) -> str:
         lines.append(f"{label:18s}" + "".join(cells))
     mixes = {n: ", ".join(f"{k} {v:.2f}" for k, v in c.get("format_mix", {}).items()) or "-" for n, c in columns.items()}
     lines += [f"format mix {n}: {m}" for n, m in mixes.items()]
+    lines += [f"video format mix {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in c["video_format_mix"].items())
+              for n, c in columns.items() if c.get("video_format_mix")]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="vlmfeed synth",
-        description="Write realistic synthetic image-text WebDataset shards (or image-free mock ones).")
+        description="Write realistic synthetic image-text and video-text WebDataset shards (or image-free mock ones).")
     ap.add_argument("--out", required=True, help="output directory for synth-NNNNNN.tar")
     ap.add_argument("--samples", type=int, required=True, help="number of samples")
     src = ap.add_mutually_exclusive_group()

@@ -154,6 +154,13 @@ def _norm_ppf(u: float) -> float:
         ((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
 
 
+ENCODERS = {"h264": "libx264", "hevc": "libx265", "vp9": "libvpx-vp9", "vp8": "libvpx", "av1": "libsvtav1",
+            "mjpeg": "mjpeg", "mpeg4": "mpeg4"}
+"""The FFmpeg encoder that writes each codec ``datasvc.video`` reads."""
+CONTAINERS = {"mp4": "mp4", "mov": "mov", "webm": "webm", "mkv": "matroska"}
+"""Member extension -> the FFmpeg muxer that writes it."""
+
+
 # What an image is made of and how it is stored. "photo" content is a composed natural scene,
 # "document" content is a rendered page or UI screenshot with text.
 KINDS = ("photo/jpeg", "photo/png", "document/png", "document/jpeg")
@@ -186,14 +193,32 @@ class Profile:
     gray_fraction: float = 0.0
     subsampling: dict[str, float] = field(default_factory=lambda: {"4:2:0": 1.0})
     description: str = ""
+    media_per_sample: dict[str, float] | None = None
+    """Images and videos of a sample together, as a mix of ``"images+videos"`` (``"1+0"``, ``"0+1"``):
+    real sets mix image samples and video samples rather than drawing the two counts apart. None
+    (every image-only profile): ``images_per_sample`` and no video."""
+    video_formats: dict[str, float] = field(default_factory=lambda: {"vp9/webm": 1.0})  # codec/extension
+    video_sizes: dict[str, float] = field(default_factory=lambda: {"640x360": 1.0})  # WxH
+    video_fps: Dist = field(default_factory=lambda: Dist.choice([24, 25, 30], [0.3, 0.2, 0.5]))
+    video_seconds: Dist = field(default_factory=lambda: Dist.lognormal(8.0, 0.6, 1.0, 60.0))
+    video_bits_per_pixel: Dist | dict = field(default_factory=lambda: Dist.lognormal(0.08, 0.5, 0.01, 1.0))
+    """Video stream bits per pixel per frame: with size and fps it gives the bitrate, so a clip of
+    another size keeps the data's compression rather than its absolute bitrate. One ``Dist``, or
+    one per video format (calibration fits them so: MJPEG spends ten times H.264's bits)."""
+    video_gop_seconds: Dist | dict = field(default_factory=lambda: Dist.lognormal(2.0, 0.5, 0.25, 10.0))
+    """Seconds between keyframes (a sampled frame costs the decode from its keyframe to it); one
+    ``Dist`` or one per video format, as ``video_bits_per_pixel``."""
 
     _DISTS = ("megapixels", "aspect", "jpeg_quality", "images_per_sample", "caption_words",
-              "question_words", "answer_words", "jpeg_bpp", "detail")
+              "question_words", "answer_words", "jpeg_bpp", "detail", "video_fps", "video_seconds",
+              "video_bits_per_pixel", "video_gop_seconds")
 
     def to_dict(self) -> dict:
         d = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, dict) and any(isinstance(x, Dist) for x in v.values()):
+                v = {k: x.to_dict() for k, x in v.items()}
             d[f.name] = v.to_dict() if isinstance(v, Dist) else v
         return d
 
@@ -204,8 +229,11 @@ class Profile:
     def from_dict(cls, d: dict) -> "Profile":
         kw = dict(d)
         for k in cls._DISTS:
-            if kw.get(k) is not None:
-                kw[k] = Dist.from_dict(kw[k])
+            v = kw.get(k)
+            if isinstance(v, dict) and "kind" not in v:  # one Dist per video format
+                kw[k] = {fmt: Dist.from_dict(x) for fmt, x in v.items()}
+            elif v is not None:
+                kw[k] = Dist.from_dict(v)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(kw) - known
         if unknown:
@@ -213,6 +241,7 @@ class Profile:
         odd = set(kw.get("kinds", {})) - set(KINDS)
         if odd:
             raise ValueError(f"unknown image kinds {sorted(odd)} in the profile; known: {', '.join(KINDS)}")
+        _check_video_formats(kw.get("video_formats", {}))
         return cls(**kw)
 
     @classmethod
@@ -234,6 +263,21 @@ class Profile:
 
     def mean_megapixels(self) -> float:
         return self.megapixels.mean()
+
+
+def pick(rng: np.random.Generator, mix: dict[str, float]) -> str:
+    """One key of a mix (weights need not sum to 1), by one uniform draw."""
+    keys = sorted(mix)
+    p = np.array([mix[k] for k in keys], float)
+    return keys[min(int(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right")), len(keys) - 1)]
+
+
+def _check_video_formats(formats: dict) -> None:
+    for fmt in formats:
+        codec, _, ext = fmt.partition("/")
+        if codec not in ENCODERS or ext not in CONTAINERS:
+            raise ValueError(f"video format {fmt!r}: need codec/extension with codec in {', '.join(ENCODERS)} "
+                             f"and extension in {', '.join(CONTAINERS)}")
 
 
 PROFILES: dict[str, Profile] = {
@@ -293,6 +337,23 @@ PROFILES: dict[str, Profile] = {
         gray_fraction=0.0,
         subsampling={"4:2:2": 0.5, "4:2:0": 0.5},
     ),
+    # Short video clips with a question (LLaVA-Video / ShareGPT4Video-like), some with a photo:
+    # VP9 WebM and H.264 MP4 at 360p-720p, 24-30 fps, GOPs of a few seconds.
+    "video-clips": Profile(
+        name="video-clips",
+        description="video clips 5-30 s, 360p-720p, VP9/H.264, mostly QA, some with a photo",
+        megapixels=Dist.lognormal(0.6, 0.55, 0.2, 2.0),
+        aspect=Dist.choice([4 / 3, 16 / 9, 1.0], [0.4, 0.4, 0.2]),
+        jpeg_quality=Dist.choice([85, 90], [0.5, 0.5]),
+        kinds={"photo/jpeg": 1.0},
+        images_per_sample=Dist.choice([0], [1.0]),
+        caption_words=Dist.lognormal(30, 0.6, 5, 300),
+        conversation_fraction=0.8,
+        question_words=Dist.lognormal(10, 0.5, 2, 60),
+        answer_words=Dist.lognormal(50, 0.8, 1, 500),
+        media_per_sample={"0+1": 0.85, "1+1": 0.1, "0+2": 0.05},
+        video_formats={"vp9/webm": 0.5, "h264/mp4": 0.5},
+        video_sizes={"640x360": 0.5, "854x480": 0.3, "1280x720": 0.2},
+        video_seconds=Dist.lognormal(12.0, 0.5, 5.0, 30.0),
+    ),
 }
-
-

@@ -7,6 +7,7 @@ from typing import Sequence
 import numpy as np
 
 IMAGE_MARKER = "<image>"
+_MARKERS = (IMAGE_MARKER, "<video>")  # placeholders, not words
 
 # A small caption-flavoured vocabulary. Words within a class are drawn Zipf-like (earlier words
 # more often), which gives text a realistic token-frequency skew for tokenizers.
@@ -75,6 +76,6 @@ def _question(rng: np.random.Generator, n_words: int) -> str:
 
 
 def _count_words(text: str) -> int:
-    return sum(1 for t in text.split() if t != IMAGE_MARKER)
+    return sum(1 for t in text.split() if t not in _MARKERS)
 
 

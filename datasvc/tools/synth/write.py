@@ -11,10 +11,13 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from datasvc.tools.synth.dist import Profile
+from datasvc.tools.synth.dist import Profile, pick as _pick
 from datasvc.tools.synth.documents import _document_image
 from datasvc.tools.synth.images import _compose, _encode, _fit_detail, _photo_layers
 from datasvc.tools.synth.text import IMAGE_MARKER, _prose, _question
+from datasvc.tools.synth.videos import draw_video_spec, render_video
+
+VIDEO_MARKER = "<video>"  # a video's place in a conversation's string content (datasvc.formats)
 
 
 @dataclass
@@ -29,12 +32,6 @@ class _ImageSpec:
     progressive: bool
     subsampling: str
     gray: bool
-
-
-def _pick(rng: np.random.Generator, mix: dict[str, float]) -> str:
-    keys = sorted(mix)
-    p = np.array([mix[k] for k in keys], float)
-    return keys[min(int(np.searchsorted(np.cumsum(p / p.sum()), rng.random(), side="right")), len(keys) - 1)]
 
 
 def _draw_image_spec(rng: np.random.Generator, p: Profile) -> _ImageSpec:
@@ -69,12 +66,20 @@ def _render(spec: _ImageSpec, rng: np.random.Generator) -> bytes:
     return _encode(img, spec.fmt, spec.quality, spec.subsampling, spec.progressive)
 
 
+def _media_counts(rl: np.random.Generator, profile: Profile) -> tuple[int, int]:
+    if profile.media_per_sample is None:  # image-only profiles draw exactly what they always did
+        return max(0, int(round(profile.images_per_sample.sample(rl)))), 0
+    n_img, n_vid = (int(v) for v in _pick(rl, profile.media_per_sample).split("+"))
+    return n_img, n_vid
+
+
 def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
     """Sample ``index``; its randomness depends only on (seed, index), never on shard layout."""
-    s_layout, s_text, s_img = np.random.SeedSequence([seed, index]).spawn(3)
+    s_layout, s_text, s_img, s_vid = np.random.SeedSequence([seed, index]).spawn(4)
     rl = np.random.default_rng(s_layout)
-    n_img = max(0, int(round(profile.images_per_sample.sample(rl))))
+    n_img, n_vid = _media_counts(rl, profile)
     specs = [_draw_image_spec(rl, profile) for _ in range(n_img)]
+    vspecs = [draw_video_spec(rl, profile) for _ in range(n_vid)]
 
     rt = np.random.default_rng(s_text)
     conv = bool(rt.random() < profile.conversation_fraction)
@@ -93,9 +98,11 @@ def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
     for i, (spec, ss) in enumerate(zip(specs, s_img.spawn(n_img))):
         ext = "jpg" if spec.fmt == "jpeg" else "png"
         sample[ext if n_img == 1 else f"{i}.{ext}"] = _render(spec, np.random.default_rng(ss))
+    for i, (spec, ss) in enumerate(zip(vspecs, s_vid.spawn(n_vid))):
+        sample[spec.ext if n_vid == 1 else f"{i}.{spec.ext}"] = render_video(spec, np.random.default_rng(ss))
     if conv:
-        user = "".join(IMAGE_MARKER + "\n" for _ in range(n_img)) + question
-        msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        user = "".join(IMAGE_MARKER + "\n" for _ in range(n_img)) + "".join(VIDEO_MARKER + "\n" for _ in range(n_vid))
+        msgs = [{"role": "user", "content": user + question}, {"role": "assistant", "content": answer}]
         sample["json"] = json.dumps({"messages": msgs}).encode()
     else:
         sample["txt"] = caption.encode()

@@ -1,0 +1,115 @@
+"""Calibrated synthetic video: calibration reads real clips' headers (length, rate, size, codec,
+bitrate, keyframes), the synthetic shards reproduce them with real encoders, and the service decodes
+them (real DALI) into the same kind of samples. The "real" clips are real photos panned and zoomed,
+encoded by FFmpeg's encoders through PyAV."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tarfile
+
+import pytest
+
+pytest.importorskip("av")
+
+from test_video import _photo, _run, encode_clip, pan_zoom, write_tar  # noqa: E402
+
+from datasvc.samples import encode_image  # noqa: E402
+from datasvc.tools.synth import PROFILES, Dist, Profile, calibrate, image_statistics, write_shards  # noqa: E402
+
+
+def _conv(markers: str, question: str) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": f"{markers}{question}"},
+                                    {"role": "assistant", "content": "The camera moves slowly to the right."}]}).encode()
+
+
+@pytest.fixture(scope="module")
+def real_video_shard(tmp_path_factory):
+    """Eight samples: VP9 WebM and MJPEG MKV clips of 1-2 s at two sizes, one with a photo too,
+    conversations with ``<video>`` placeholders and captions."""
+    astro, coffee, rocket = _photo("astronaut"), _photo("coffee"), _photo("rocket")
+    vp9 = lambda photo, n, size, fps: encode_clip(pan_zoom(photo, n, size), fps=fps)  # noqa: E731
+    mjpeg = lambda photo, n, size, fps: encode_clip(pan_zoom(photo, n, size), fps=fps, codec="mjpeg",  # noqa: E731
+                                                    fmt="matroska")
+    members = [
+        ("a.webm", vp9(astro, 36, (96, 128), 24)), ("a.json", _conv("<video>\n", "What does the camera do?")),
+        ("b.webm", vp9(coffee, 30, (120, 160), 20)), ("b.txt", b"A cup of coffee seen from above."),
+        ("c.webm", vp9(rocket, 48, (96, 128), 24)), ("c.json", _conv("<video>\n", "Where is the rocket?")),
+        ("d.mkv", mjpeg(coffee, 24, (96, 128), 12)), ("d.txt", b"A slow pan over a coffee cup."),
+        ("e.mkv", mjpeg(astro, 20, (120, 160), 10)), ("e.json", _conv("<video>\n", "Who is this?")),
+        ("f.jpg", encode_image(_photo("chelsea"))), ("f.webm", vp9(astro, 40, (120, 160), 20)),
+        ("f.json", _conv("<image>\n<video>\n", "Compare the cat and the person.")),
+        ("g.webm", vp9(rocket, 24, (96, 128), 24)), ("g.txt", b"A rocket on its pad."),
+        ("h.mkv", mjpeg(rocket, 18, (96, 128), 12)), ("h.txt", b"The launch pad, panning."),
+    ]
+    return write_tar(tmp_path_factory.mktemp("real-video") / "real-000000.tar", members)
+
+
+def test_calibration_reads_video_headers(real_video_shard):
+    st = image_statistics(real_video_shard)
+    assert st["videos"] == 8 and st["images"] == 1
+    assert st["video_format_mix"] == {"mjpeg/mkv": 3 / 8, "vp9/webm": 5 / 8}
+    assert st["video_seconds"] == pytest.approx((1.5 + 1.5 + 2 + 2 + 2 + 2 + 1 + 1.5) / 8)
+    assert 0 < st["video_gop_seconds"] and st["video_kbps"] > 0
+    p = calibrate(real_video_shard)
+    assert p.media_per_sample == {"0+1": 7 / 8, "1+1": 1 / 8}
+    assert p.video_sizes == {"128x96": 5 / 8, "160x120": 3 / 8}
+    assert sorted(p.video_fps.values) == [10, 12, 20, 24]
+    assert set(p.video_bits_per_pixel) == {"mjpeg/mkv", "vp9/webm"}  # one rate distribution per format
+    # MJPEG stores every frame whole: its keyframe interval is one frame, VP9's many
+    assert p.video_gop_seconds["mjpeg/mkv"].mean() < 0.11 < p.video_gop_seconds["vp9/webm"].mean()
+    assert Profile.from_json(p.to_json()) == p
+
+
+def test_calibrated_synthetic_videos_match_the_real_ones(tmp_path, real_video_shard, qwen3vl):
+    real = image_statistics(real_video_shard)
+    fitted = calibrate(real_video_shard)
+    paths = write_shards(tmp_path / "syn", 24, fitted, seed=3, samples_per_shard=12, progress=False)
+    syn = image_statistics(paths)
+    assert syn["videos"] == 24 and syn["videos_per_sample"] == 1.0
+    assert set(syn["video_format_mix"]) == {"mjpeg/mkv", "vp9/webm"}
+    assert syn["video_seconds"] == pytest.approx(real["video_seconds"], rel=0.15)
+    assert syn["video_fps"] == pytest.approx(real["video_fps"], rel=0.2)
+    assert syn["video_megapixels"] == pytest.approx(real["video_megapixels"], rel=0.2)
+    assert syn["video_kbps"] == pytest.approx(real["video_kbps"], rel=0.35)
+    per_video = lambda s: s["total_video_bytes"] / s["videos"]  # noqa: E731
+    assert per_video(syn) == pytest.approx(per_video(real), rel=0.35)
+
+    # the service takes them as it takes the real ones: decoded by DALI, tokens with timestamps
+    res, reasons = _run(paths[0], qwen3vl)
+    assert not reasons and len(res.samples) == 12
+    assert all(len(s.video_grid_thw) == 1 and s.video_pixels.shape[0] == int(s.video_grid_thw.prod() * 2)
+               for s in res.samples)
+    with tarfile.open(paths[0]) as tf:
+        convs = [json.loads(tf.extractfile(m).read()) for m in tf.getmembers() if m.name.endswith(".json")]
+    assert convs and all("<video>\n" in c["messages"][0]["content"] for c in convs)
+    text = qwen3vl.tokenizer.decode(res.samples[0].input_ids.tolist(), skip_special_tokens=False)
+    assert "seconds><|vision_start|><|video_pad|>" in text
+
+
+def test_drawn_length_rate_size_and_bitrate_are_what_is_written(tmp_path):
+    """Each format's encoder writes the drawn clip: frames = seconds x fps, the size, the codec,
+    the keyframe interval, and the bitrate within the rate control's reach."""
+    from datasvc.tools.synth.videos import draw_video_spec, render_video, video_record
+    import numpy as np
+
+    base = dataclasses.replace(PROFILES["video-clips"], video_sizes={"160x120": 1.0}, video_fps=Dist.choice([24]),
+                               video_seconds=Dist.choice([2.0]), video_gop_seconds=Dist.choice([1.0]))
+    for fmt, bpp in (("vp9/webm", 0.3), ("h264/mp4", 0.3), ("mjpeg/mkv", 1.0), ("vp8/mkv", 0.3)):
+        p = dataclasses.replace(base, video_formats={fmt: 1.0}, video_bits_per_pixel=Dist.choice([bpp]))
+        spec = draw_video_spec(np.random.default_rng(0), p)
+        rec = video_record(render_video(spec, np.random.default_rng(1)))
+        assert (rec["codec"], rec["w"], rec["h"], rec["frames"], rec["fps"]) == (fmt.split("/")[0], 160, 120, 48, 24)
+        assert rec["bits_per_pixel"] == pytest.approx(bpp, rel=0.3), fmt
+        if fmt != "mjpeg/mkv":
+            assert rec["gop_seconds"] == pytest.approx(1.0, abs=0.05), fmt
+
+
+def test_mock_of_a_video_profile_is_text_only(tmp_path):
+    p = dataclasses.replace(PROFILES["video-clips"], video_sizes={"128x96": 1.0}, video_seconds=Dist.choice([1.0]))
+    real = write_shards(tmp_path / "real", 6, p, seed=1, progress=False)
+    mock = write_shards(tmp_path / "mock", 6, p, seed=1, mock=True, progress=False)
+    with tarfile.open(mock[0]) as tf:
+        names = [m.name for m in tf.getmembers()]
+    assert names and all(n.endswith(".txt") for n in names)
+    assert image_statistics(mock)["videos"] == 0 and image_statistics(real)["videos"] >= 6
