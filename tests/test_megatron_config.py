@@ -469,3 +469,28 @@ def test_packed_row_matches_samples_alone():
 
     report = packed_vs_alone(num_layers=4, num_experts=128)
     assert report["ok"], report
+
+
+def test_timed_forward_step_keeps_the_signature_bridge_injects_state_by():
+    from megatron.bridge.training.utils.train_utils import needs_global_state_injection
+
+    from trainer.megatron.metrics import ForwardClock, TimedForwardStep
+    from trainer.megatron.step import PackedForwardStep
+
+    assert needs_global_state_injection(TimedForwardStep(PackedForwardStep(), ForwardClock()))
+
+
+@pytest.mark.gpu
+def test_forward_clock_times_each_forward_once_per_drain():
+    from trainer.megatron.metrics import ForwardClock
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)).cuda()
+    clock = ForwardClock()
+    clock.watch(model)
+    clock.watch(model)  # watched once: one span per forward
+    x = torch.randn(4096, 1024, device="cuda")
+    for _ in range(3):
+        model(x)
+    torch.cuda.synchronize()
+    assert len(clock._spans) == 3
+    assert clock.drain() > 0 and clock.drain() == 0

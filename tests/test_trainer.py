@@ -118,6 +118,12 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
                                                       + sum(acct["skipped_by_rule"].values()) + acct["in_flight"]), acct
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 12 and all("data_wait_s" in l and "tokens_per_s" in l for l in lines)
+    # Two DP ranks: each step's straggler ratio is max / mean of the ranks' own compute seconds.
+    for line in lines:
+        compute = line["rank_compute_s"]
+        assert len(compute) == 2 and len(line["rank_vision_patches"]) == 2 and min(line["rank_vision_patches"]) > 0
+        assert line["straggler_ratio"] == pytest.approx(max(compute) / (sum(compute) / 2), rel=1e-2, abs=2e-3)
+    assert summary["straggler_ratio"] >= 1.0
 
 
 @pytest.mark.parametrize("flag", ["--chain-blocks", "--block-micro-batches", "--items-per-block"])

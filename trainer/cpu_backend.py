@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from datasvc.balance import straggler_ratio
 from datasvc.batch import IGNORE_INDEX
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
@@ -103,6 +104,26 @@ def all_reduce_grads(model) -> None:
         offset += n
 
 
+def vision_patches(batch: dict) -> int:
+    """The micro-batch's vision patches (images and video), the tower's input size."""
+    return sum(int(batch[k].prod(dim=-1).sum()) for k in ("image_grid_thw", "video_grid_thw")
+               if batch.get(k) is not None and batch[k].numel())
+
+
+def rank_spread(compute_s: float, patches: int, world: int) -> dict:
+    """Every rank's compute seconds and vision patches of this step, and their straggler ratio
+    (max / mean compute: the step waits for the slowest rank)."""
+    mine = torch.tensor([compute_s, float(patches)], dtype=torch.float64)
+    if world > 1:
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+    else:
+        gathered = [mine]
+    compute = [round(float(g[0]), 4) for g in gathered]
+    return {"rank_compute_s": compute, "rank_vision_patches": [int(g[1]) for g in gathered],
+            "straggler_ratio": round(straggler_ratio(compute), 4) if world > 1 else None}
+
+
 def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metrics_path: str | None,
           rank: int, world: int, model_cfg: CpuModelConfig = CpuModelConfig()) -> list[dict]:
     if rank == 0:
@@ -128,12 +149,16 @@ def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metri
         global_tokens = torch.tensor([local_tokens], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(global_tokens)
+        # This rank's own work: between the last collective before it and the gradient all-reduce,
+        # so neither data wait nor waiting for the other ranks is in it.
+        c0 = time.perf_counter()
         for batch in micro:
             for sample in split_samples(batch):
                 loss, n = sample_loss(model, sample)
                 (loss / global_tokens.item()).backward()
                 loss_sum += loss.detach()
                 n_tok += n
+        compute_s = time.perf_counter() - c0
         if world > 1:
             all_reduce_grads(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -141,6 +166,7 @@ def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metri
         stats = torch.tensor([float(loss_sum), n_tok, real, total], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(stats)
+        spread = rank_spread(compute_s, sum(vision_patches(b) for b in micro), world)
         dt = time.perf_counter() - t0
         waited = data_iter.wait_s - wait0
         rec = {
@@ -150,14 +176,21 @@ def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metri
             # 6 * params * tokens: a rough count for a dense model of this size (CPU path only)
             "tflops_per_gpu_estimate": round(6 * n_params * float(stats[2]) / world / dt / 1e12, 6),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            **spread,
         }
         records.append(rec)
         if rank == 0:
-            log.info("step %(step)d loss %(loss).4f step %(step_time_s).2fs wait %(data_wait_share).1f%% "
-                     "tok/s %(tokens_per_s).0f real %(real_token_fraction).2f" % {**rec, "data_wait_share": 100 * rec["data_wait_share"]})
+            _log_step(rec)
             if sink:
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
     if sink:
         sink.close()
     return records
+
+
+def _log_step(rec: dict) -> None:
+    straggler = f" straggler {rec['straggler_ratio']:.2f}" if rec["straggler_ratio"] is not None else ""
+    log.info("step %d loss %.4f step %.2fs wait %.1f%% tok/s %.0f real %.2f%s", rec["step"], rec["loss"],
+             rec["step_time_s"], 100 * rec["data_wait_share"], rec["tokens_per_s"], rec["real_token_fraction"],
+             straggler)

@@ -36,6 +36,8 @@ def summarize(records: list[dict], data_stats: dict, backend: str, world: int, w
         "real_token_fraction": rnd(mean("real_token_fraction")),
         # The CPU path has no FLOP accounting, only a 6 * params * tokens estimate, named as such.
         "tflops_per_gpu": rnd(mean("tflops_per_gpu", "tflops_per_gpu_estimate"), 3),
+        # max / mean over DP ranks of their own compute (None with one DP rank): what the step waits for.
+        "straggler_ratio": rnd(mean("straggler_ratio")),
         "peak_mem_gib": rnd(max((r.get("peak_mem_gib") or 0 for r in records), default=None), 2),
         "data_accounting": data_stats.get("accounting", {}),
         "autoscale_decisions": [d for r in data_stats.get("ranks", []) for d in r.get("autoscale_decisions", [])],

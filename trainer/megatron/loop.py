@@ -13,7 +13,7 @@ from megatron.bridge.training.state import GlobalState
 
 from trainer.config import TrainerConfig
 from trainer.megatron.container import build_config_container, check_runtime
-from trainer.megatron.metrics import MetricsSink, StepMetrics, TimedIterator
+from trainer.megatron.metrics import ForwardClock, MetricsSink, StepMetrics, TimedForwardStep, TimedIterator
 from trainer.megatron.step import PackedForwardStep, to_stock_batch
 
 log = logging.getLogger("vlmfeed.megatron")
@@ -34,8 +34,9 @@ def train(cfg: TrainerConfig, data_iterator: Iterator[dict], metrics_sink: Metri
     # A Ray actor sees exactly its own GPU; Bridge would otherwise pick cuda:LOCAL_RANK.
     container.dist.external_gpu_device_mapping = torch.cuda.device_count() == 1
     init_loopback_distributed(container)
-    forward_step = qwen3_vl_step.forward_step if cfg.train.padded else PackedForwardStep()
-    metrics = StepMetrics(iterator, metrics_sink)
+    clock = ForwardClock()
+    forward_step = TimedForwardStep(qwen3_vl_step.forward_step if cfg.train.padded else PackedForwardStep(), clock)
+    metrics = StepMetrics(iterator, metrics_sink, clock)
     log.info("Megatron-Bridge backend: %s, strategy %s, %s rows", cfg.model.preset, cfg.parallel.strategy,
              "padded (stock qwen3_vl_step)" if cfg.train.padded else "packed (THD)")
     run_bridge(container, forward_step, [metrics])

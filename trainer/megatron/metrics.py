@@ -11,7 +11,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from megatron.bridge.training.callbacks import Callback, CallbackContext
+from megatron.bridge.training.state import GlobalState
 
+from datasvc.balance import straggler_ratio
 from trainer.megatron.thd import real_tokens_per_row
 
 log = logging.getLogger("vlmfeed.megatron")
@@ -33,6 +35,7 @@ class TimedIterator:
         self.real_tokens = 0
         self.slot_tokens = 0
         self.micro_batches = 0
+        self.vision_patches = 0
 
     def __iter__(self):
         return self
@@ -44,6 +47,8 @@ class TimedIterator:
         tokens = batch["tokens"]
         self.slot_tokens += tokens.numel()
         self.real_tokens += int(real_tokens_per_row(batch["cu_seqlens"], batch["num_samples"]).sum())
+        self.vision_patches += sum(int(batch[k].prod(dim=-1).sum()) for k in ("image_grid_thw", "video_grid_thw")
+                                   if batch.get(k) is not None and batch[k].numel())
         self.micro_batches += 1
         return self.adapt(batch) if self.adapt else batch
 
@@ -55,15 +60,68 @@ class TimedIterator:
         self.inner.restore_state(state)
 
 
+class ForwardClock:
+    """GPU seconds of this rank's model forwards, from CUDA events that forward hooks on each model
+    chunk record on the current stream (no synchronisation inside the step). The DP ranks' totals
+    per step give the measured straggler ratio. The forward is timed, not the backward, because
+    Megatron overlaps the gradient reduce with the backward; under FSDP the forward holds the
+    parameter gathers too, which line the ranks up layer by layer and so understate the spread."""
+
+    def __init__(self):
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: torch.cuda.Event | None = None
+        self._watched: set[int] = set()
+
+    def watch(self, model) -> None:
+        if id(model) in self._watched:
+            return
+        self._watched.add(id(model))
+        model.register_forward_pre_hook(self._on_start)
+        model.register_forward_hook(self._on_end)
+
+    def _on_start(self, module, args) -> None:
+        if torch.cuda.is_current_stream_capturing():  # an event recorded into a CUDA graph has no time
+            self._start = None
+            return
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def _on_end(self, module, args, output) -> None:
+        if self._start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._spans.append((self._start, end))
+
+    def drain(self) -> float:
+        """Seconds of the forwards since the last drain; call after the step's synchronisation."""
+        total = sum(start.elapsed_time(end) for start, end in self._spans) / 1e3
+        self._spans.clear()
+        return total
+
+
+class TimedForwardStep:
+    """A forward step with its model's forwards timed by ``clock``; the signature Bridge inspects
+    (state injected by name) is the wrapped step's."""
+
+    def __init__(self, inner, clock: ForwardClock):
+        self.inner, self.clock = inner, clock
+
+    def __call__(self, state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
+        self.clock.watch(model)
+        return self.inner(state, data_iterator, model, return_schedule_plan)
+
+
 class StepMetrics(Callback):
     """Per optimizer step: step time, data wait, tokens/s, real-token fraction, TFLOP/s per GPU,
     peak memory, loss. FLOPs come from Megatron-Bridge's own accounting: train.py adds the step's
     FLOPs to ``train_state.floating_point_operations_so_far`` right after ``on_train_step_end``, so a
     step's record is completed at the next step's start (or at train end)."""
 
-    def __init__(self, iterator: TimedIterator, sink: MetricsSink):
+    def __init__(self, iterator: TimedIterator, sink: MetricsSink, clock: ForwardClock | None = None):
         self.iterator = iterator
         self.sink = sink
+        self.clock = clock
         self.records: list[dict] = []
         self._pending: dict | None = None
         self._t0 = 0.0
@@ -78,6 +136,7 @@ class StepMetrics(Callback):
 
     def on_train_step_end(self, context: CallbackContext) -> None:
         torch.cuda.synchronize()
+        spread = self._rank_spread()
         real, slots, wait, peak_gib, step_time = self._reduce_step(time.perf_counter() - self._t0)
         self._pending = {
             "step": context.state.train_state.step + 1,
@@ -92,7 +151,25 @@ class StepMetrics(Callback):
             "grad_norm": context.grad_norm,
             "skipped": context.skipped_iter,
             "lr": context.optimizer.param_groups[0]["lr"] if context.optimizer is not None else None,
+            **spread,
         }
+
+    def _rank_spread(self) -> dict:
+        """Every DP replica's forward seconds and vision patches of this step, and their straggler
+        ratio (max / mean forward time; None with one replica or no clock)."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group()
+        dp = torch.distributed.get_world_size(group)
+        forward_s = self.clock.drain() if self.clock else 0.0
+        mine = torch.tensor([forward_s, float(self.iterator.vision_patches)], dtype=torch.float64,
+                            device=torch.cuda.current_device())
+        gathered = torch.zeros(dp, 2, dtype=torch.float64, device=mine.device)
+        torch.distributed.all_gather_into_tensor(gathered, mine, group=group)
+        forward = [round(x, 4) for x in gathered[:, 0].tolist()]
+        return {"rank_forward_s": forward if self.clock else None,
+                "rank_vision_patches": [int(x) for x in gathered[:, 1].tolist()],
+                "straggler_ratio": round(straggler_ratio(forward), 4) if self.clock and dp > 1 else None}
 
     def _reduce_step(self, step_time: float) -> tuple[float, float, float, float, float]:
         """(real tokens, slot tokens, data wait, peak GiB, step time) of this step over the job: tokens
@@ -126,7 +203,7 @@ class StepMetrics(Callback):
         if torch.distributed.get_rank() == world - 1:
             log.info("step %(step)d loss %(loss)s step %(step_time_s).3fs wait %(data_wait_s).4fs "
                      "%(tokens_per_s).0f tok/s real %(real_token_fraction).3f %(tflops_per_gpu).1f TFLOP/s/GPU "
-                     "peak %(peak_mem_gib).1f GiB", rec)
+                     "peak %(peak_mem_gib).1f GiB straggler %(straggler_ratio)s", rec)
             if callable(self.sink):
                 self.sink(rec)
             elif self.sink is not None:
