@@ -247,3 +247,65 @@ def test_compare_warns_when_blocks_differ_in_samples():
     warning = block_geometry_warning({"real": report(24), "synthetic": report(64)})
     assert "real 24, synthetic 64" in warning and "without --items-per-block" in warning
     assert block_geometry_warning({"real": report(24), "synthetic": report(26)}) is None
+
+
+@pytest.fixture(scope="module")
+def video_report(ray_local, tmp_path_factory):
+    """A profiler run over calibrated-style synthetic video shards: VP9 clips the CPU decodes and
+    H.264 clips it cannot (counted, not decoded)."""
+    pytest.importorskip("av")
+    import contextlib
+    import io
+
+    from datasvc.tools.synth import PROFILES, Dist, write_shards
+
+    p = dataclasses.replace(PROFILES["video-clips"], media_per_sample={"0+1": 1.0}, video_sizes={"320x240": 1.0},
+                            video_seconds=Dist.choice([3.0]), video_fps=Dist.choice([24]),
+                            video_formats={"vp9/webm": 0.85, "h264/mp4": 0.15})
+    shards = write_shards(tmp_path_factory.mktemp("video-shards"), 32, p, seed=2, samples_per_shard=16,
+                          progress=False)
+    out = tmp_path_factory.mktemp("video-profile")
+    argv = [*shards, "--mbs", "1", "--actors", "1", "--samples", "12", "--samples-per-item", "2",
+            "--items-per-block", "2", "--seq-len", "2048", "--step-time", "1000", "--video-fps", "2",
+            "--out", str(out), "--no-progress"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert profile_main(argv) == 0
+    with open(out / "profile.json") as f:
+        return {"report": json.load(f), "stdout": buf.getvalue()}
+
+
+def test_video_fields_and_a_video_verdict(video_report):
+    rep = video_report["report"]
+    (run,) = rep["runs"]
+    vid = run["video"]
+    # 3 s at 2 frames a second: 6 frames per clip, decoded and resized in the actors
+    assert vid["videos"] >= 12 and vid["frames_decoded"] >= 6 * 12
+    assert vid["decode_ms_per_frame"] > 0 and vid["preprocess_ms_per_frame"] > 0 and vid["decode_frames_per_s"] > 0
+    assert vid["video_token_share"] == 1.0 and vid["video_vision_tokens_per_s"] > 0
+    assert vid["video_vision_tokens_per_s"] == pytest.approx(run["rates"]["vision_tokens_per_s"])
+    assert 0.5 < vid["decode_time_share"] <= 1.0  # probing headers is the rest of the decode stage
+    (v,) = rep["verdicts"]
+    video = v["video"]
+    assert video["video_token_share"] == 1.0 and "video-heavy (100% of vision tokens" in v["summary"]
+    if v["bottleneck"] == "decode":
+        assert video["bound_stage"] == "video decode"
+        assert any("--decode gpu" in f for f in video["fixes"]) and any("--video-fps" in f for f in video["fixes"])
+    if run["rejected"].get("video_codec_needs_gpu"):
+        assert any("video_codec_needs_gpu" in f for f in video["fixes"])
+    out = video_report["stdout"]
+    assert "video MBS 1 x1:" in out and "ms decode" in out and "video-heavy" in out
+
+
+def test_an_image_heavy_mix_gets_no_video_verdict(video_report):
+    (run,) = video_report["report"]["runs"]
+    light = {**run, "video": {**run["video"], "video_token_share": 0.1, "decode_time_share": 0.2,
+                              "preprocess_time_share": 0.1}}
+    assert "video" not in verdict([light], 1e-3, 1)
+    assert "video" in verdict([run], 1e-3, 1)
+
+
+def test_video_sampling_options_reach_the_pipeline():
+    s = Settings(shards=["x.tar"], video_fps=1.0, video_max_pixels=64 * 32 * 32, items_per_block=1)
+    opts = s.config(1, 1).pipeline_options
+    assert opts == {"video_fps": 1.0, "video_max_pixels": 64 * 32 * 32}

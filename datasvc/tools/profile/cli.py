@@ -62,6 +62,9 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
     amount.add_argument("--samples", type=int, help="samples to measure per setting (after a warm-up block); default 256")
     amount.add_argument("--seconds", type=float, help="seconds to measure per setting")
     ap.add_argument("--max-pixels", type=int, help="pipeline max_pixels (default: the pipeline's)")
+    ap.add_argument("--video-fps", type=float, help="frames sampled a second of video (default: the pipeline's)")
+    ap.add_argument("--video-max-pixels", type=int,
+                    help="cap on frames x height x width of one video (default: the pipeline's)")
     ap.add_argument("--samples-per-item", type=int, default=16)
     blocks = ap.add_mutually_exclusive_group()
     blocks.add_argument("--block-micro-batches", type=int, default=None,
@@ -122,7 +125,8 @@ def _parser(mode: str) -> argparse.ArgumentParser:
 def _settings(args, shards) -> Settings:
     return Settings(shards=shards, pipeline=args.pipeline, seq_len=args.seq_len, mbs=args.mbs, decode=args.decode,
                     actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
-                    max_pixels=args.max_pixels, samples_per_item=args.samples_per_item,
+                    max_pixels=args.max_pixels, video_fps=args.video_fps, video_max_pixels=args.video_max_pixels,
+                    samples_per_item=args.samples_per_item,
                     filters=filters_from_flags(args), blend=args.blend,
                     items_per_block=args.items_per_block,
                     block_micro_batches=args.block_micro_batches or TRAINING_BLOCK_MICRO_BATCHES,

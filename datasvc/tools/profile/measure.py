@@ -116,12 +116,23 @@ class _CpuMeter:
                 "machine_cores": self.psutil.cpu_count()}
 
 
-def _video_report(tally: _Tally, stages: dict) -> dict:
-    """Video decode and resize time per decoded frame (the actors' ``VIDEO_STAGES`` timers)."""
-    dec, prep = (stages[s] for s in VIDEO_STAGES)
+def _video_report(tally: _Tally, video_stages: dict, stages: dict | None = None, wall: float | None = None) -> dict:
+    """What the videos cost: decode and resize time per decoded frame (the actors' ``VIDEO_STAGES``
+    timers), video vision tokens a second of the window, their share of the vision tokens, and the
+    share of the actors' decode and preprocess time that went to video (``stages``: all stages)."""
+    dec, prep = (video_stages[s] for s in VIDEO_STAGES)
     per_frame = lambda st: 1e3 * st["seconds"] / st["count"] if st["count"] else None  # noqa: E731
-    return {"videos": tally.videos, "video_tokens": tally.video_tokens, "frames_decoded": dec["count"],
-            "decode_ms_per_frame": per_frame(dec), "preprocess_ms_per_frame": per_frame(prep)}
+    out = {"videos": tally.videos, "video_tokens": tally.video_tokens, "frames_decoded": dec["count"],
+           "decode_ms_per_frame": per_frame(dec), "preprocess_ms_per_frame": per_frame(prep),
+           "decode_frames_per_s": dec["count"] / dec["seconds"] if dec["seconds"] else None,
+           "video_token_share": tally.video_tokens / tally.vision_tokens if tally.vision_tokens else None}
+    if wall:
+        out["video_vision_tokens_per_s"] = tally.video_tokens / wall
+    if stages:
+        for name, st in zip(("decode", "preprocess"), (dec, prep)):
+            total = stages.get(name, {}).get("seconds", 0.0)
+            out[f"{name}_time_share"] = min(1.0, st["seconds"] / total) if total else None
+    return out
 
 
 def _stage_diff(a: dict, b: dict, names: tuple = STAGES) -> dict:
@@ -226,7 +237,8 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
     stages["transfer"] = {"seconds": max(0.0, transfer), "count": tally.batches}
     out = _run_report(cfg, tally, stages, max(1e-9, t1 - t0), cpu_report, end_stats["accounting"], model)
     if tally.videos:
-        out["video"] = _video_report(tally, _stage_diff(s0.get("stages", {}), s1.get("stages", {}), VIDEO_STAGES))
+        out["video"] = _video_report(tally, _stage_diff(s0.get("stages", {}), s1.get("stages", {}), VIDEO_STAGES),
+                                     stages, max(1e-9, t1 - t0))
     out.update(short_run=window is None, blocks_measured=len(measured))
     out["micro_batch_shapes"] = [s for b in measured for s in b.shapes]  # for the straggler prediction
     return out
@@ -247,6 +259,7 @@ def _run_report(cfg, tally: _Tally, stages: dict, wall: float, cpu_report: dict 
     per = lambda amount, seconds: amount / seconds if seconds else None  # noqa: E731
     out = {
         "micro_batch_size": cfg.micro_batch_size, "actors": cfg.min_actors, "decode_threads": cfg.decode_threads,
+        "decode": cfg.decode,
         "window_s": wall, "samples": tally.samples, "micro_batches": tally.batches, **content,
         "rates": {f"{k}_per_s": v / wall for k, v in
                   {"samples": tally.samples, **content, "micro_batches": tally.batches}.items()},

@@ -27,6 +27,7 @@ def table(report: dict) -> str:
             f"{rt['micro_batches_per_s']:>7.2f} {r['packing_efficiency']:>8.3f} {_fmt(cores, '{:.2f}'):>6} | "
             + " ".join(f"{100 * r['stages'][s]['share']:>6.1f}%" for s in STAGES)
             + ("  (short run)" if r["short_run"] else ""))
+    lines += [_video_line(r) for r in runs if r.get("video")]
     rej = {}
     for r in runs:
         for k, v in r["rejected"].items():
@@ -50,6 +51,15 @@ def table(report: dict) -> str:
                      f"{100 * r[0]['flops_vision_fraction']:.1f}% vision]")
         lines.append("verdict " + v["summary"] + extra)
     return "\n".join(lines)
+
+
+def _video_line(run: dict) -> str:
+    v = run["video"]
+    share = lambda k: "-" if v.get(k) is None else f"{100 * v[k]:.0f}%"  # noqa: E731
+    return (f"video MBS {run['micro_batch_size']} x{run['actors']}: {v['videos']} videos, {v['frames_decoded']} frames "
+            f"decoded, {_fmt(v['decode_ms_per_frame'])} ms decode + {_fmt(v['preprocess_ms_per_frame'])} ms resize "
+            f"per frame, {_fmt(v.get('video_vision_tokens_per_s'), '{:.0f}')} video tokens/s "
+            f"({share('video_token_share')} of vision tokens; {share('decode_time_share')} of decode time)")
 
 
 def figure(report: dict, path: str, compare: dict | None = None) -> str:

@@ -33,6 +33,10 @@ class Settings:
     samples: int | None = None
     seconds: float | None = None
     max_pixels: int | None = None
+    video_fps: float | None = None
+    """Frames the pipeline samples a second of video (None: the pipeline's)."""
+    video_max_pixels: int | None = None
+    """The pipeline's cap on frames x height x width of one video (None: the pipeline's)."""
     samples_per_item: int = 16
     items_per_block: int | None = None
     """Work items a block, fixed; None (the default) sizes blocks as ``trainer.run`` does."""
@@ -79,7 +83,8 @@ class Settings:
         from datasvc.config import ServiceConfig
         from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
 
-        opts = {"max_pixels": self.max_pixels} if self.max_pixels else {}
+        opts = {k: v for k, v in (("max_pixels", self.max_pixels), ("video_fps", self.video_fps),
+                                  ("video_max_pixels", self.video_max_pixels)) if v}
         cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=opts,
                             seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
                             decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,

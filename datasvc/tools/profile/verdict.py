@@ -11,6 +11,10 @@ demand, with how many actors (measured, else extrapolated from one actor's stage
 and names the bottleneck: the stage using the largest part of its component's capacity (actor
 stages divided over the actors; pack in the one feeder; transfer in the one client thread). If
 pack or transfer alone caps below the demand, the verdict says more actors will not help.
+
+A video-heavy mix (at least ``VIDEO_HEAVY`` of the vision tokens, or of the decode and preprocess
+time, from video) gets a ``video`` entry: the cost per decoded frame, whether video decode or video
+resize is the bound stage, and what lowers it (NVDEC, fewer frames a second, fewer pixels a frame).
 """
 from __future__ import annotations
 
@@ -71,6 +75,48 @@ def bottleneck(run: dict) -> tuple[str, float]:
     return best, load
 
 
+VIDEO_HEAVY = 0.5
+"""Share of vision tokens, or of decode + preprocess time, from video past which a mix is video-heavy."""
+_GPU_ONLY = ("video_codec_needs_gpu",)
+
+
+def video_verdict(run: dict, bound: str) -> dict | None:
+    """What the verdict says of video for one run whose bottleneck is ``bound``; None when the run
+    has no video or the mix is not video-heavy."""
+    vid = run.get("video")
+    if not vid:
+        return None
+    shares = [vid.get("video_token_share"), vid.get("decode_time_share"), vid.get("preprocess_time_share")]
+    if max((x for x in shares if x is not None), default=0.0) < VIDEO_HEAVY:
+        return None
+    decode_bound = bound == "decode" and (vid.get("decode_time_share") or 0) >= VIDEO_HEAVY
+    resize_bound = bound == "preprocess" and (vid.get("preprocess_time_share") or 0) >= VIDEO_HEAVY
+    stage = "video decode" if decode_bound else "video resize" if resize_bound else None
+    fixes = []
+    if decode_bound and run.get("decode") != "gpu":
+        fixes.append("decode video on the GPU (--decode gpu: NVDEC takes H.264, HEVC, VP8, VP9, AV1)")
+    if decode_bound or resize_bound:
+        fixes.append("sample fewer frames a second (--video-fps below the pipeline's)")
+        fixes.append("lower the video pixel cap (--video-max-pixels)")
+    needs_gpu = sum(run.get("rejected", {}).get(r, 0) for r in _GPU_ONLY)
+    if needs_gpu:
+        fixes.append(f"{needs_gpu} sample(s) were rejected video_codec_needs_gpu: the CPU decoder takes "
+                     "VP8, VP9 and MJPEG only, --decode gpu takes them")
+    token_share = vid.get("video_token_share") or 0.0
+    text = (f"video-heavy ({100 * token_share:.0f}% of vision tokens from video, "
+            f"{_ms(vid.get('decode_ms_per_frame'))} ms decode + {_ms(vid.get('preprocess_ms_per_frame'))} ms resize "
+            f"per frame, {vid.get('video_vision_tokens_per_s') or 0:.0f} video tokens/s)")
+    if stage:
+        text += f"; {stage} is the bound stage"
+    if fixes:
+        text += ": " + "; ".join(fixes)
+    return {"video_token_share": token_share, "bound_stage": stage, "fixes": fixes, "summary": text}
+
+
+def _ms(v) -> str:
+    return "?" if v is None else f"{v:.2f}"
+
+
 def verdict(runs: list[dict], demand_mb_s: float | None, mbs: int) -> dict:
     """Does the data path keep one DP rank of the trainer fed at this MBS, and with how much?"""
     mine = sorted((r for r in runs if r["micro_batch_size"] == mbs), key=lambda r: r["actors"])
@@ -83,7 +129,21 @@ def verdict(runs: list[dict], demand_mb_s: float | None, mbs: int) -> dict:
          "bottleneck": name}
     if demand_mb_s is None:
         v.update(keeps_up=None, summary=f"MBS {mbs}: no demand given; bottleneck {name}")
-        return v
+        return _with_video(v, best, name)
+    _judge(v, mine, best, name, demand_mb_s, mbs)
+    return _with_video(v, best, v["bottleneck"])
+
+
+def _with_video(v: dict, best: dict, bound: str) -> dict:
+    video = video_verdict(best, bound)
+    if video is not None:
+        v["video"] = video
+        v["summary"] += "; " + video["summary"]
+    return v
+
+
+def _judge(v: dict, mine: list[dict], best: dict, name: str, demand_mb_s: float, mbs: int) -> None:
+    """Whether the runs of one MBS keep up with ``demand_mb_s``, and with how many actors (into ``v``)."""
     ok = [r for r in mine if r["rates"]["micro_batches_per_s"] >= demand_mb_s]
     # Extrapolated actors: one actor's capacity from its stage timers (samples/s), in micro-batches.
     spm = np.mean([r["samples_per_micro_batch"] for r in mine]) or 1.0
@@ -123,7 +183,6 @@ def verdict(runs: list[dict], demand_mb_s: float | None, mbs: int) -> dict:
             v["summary"] = (f"MBS {mbs}: does NOT keep up ({best['rates']['micro_batches_per_s']:.2f} vs "
                             f"{demand_mb_s:.3g} micro-batches/s with {best['actors']} actor(s)); needs about "
                             f"{need} actors ({need * threads if need else '?'} cores) per DP rank; bottleneck {name}")
-    return v
 
 
 def verdicts(runs: list[dict], mbs_list: list[int], demand: Demand) -> list[dict]:
