@@ -198,10 +198,10 @@ class StreamStats:
         return self.real_tokens / max(1, self.row_tokens)
 
     def add_batch(self, batch, merge_size: int) -> None:
-        """Count one delivered micro-batch (a ``PackedBatch``): its vision tokens are its patches over
-        the merge window (``merge_size``**2 patches make one token)."""
-        grids = batch.image_grid_thw
-        vision = int(grids.prod(axis=1).sum()) // merge_size**2 if len(grids) else 0
+        """Count one delivered micro-batch (a ``PackedBatch``): its vision tokens are its images' and
+        videos' patches over the merge window (``merge_size``**2 patches make one token)."""
+        grids = [g for g in (batch.image_grid_thw, getattr(batch, "video_grid_thw", ())) if len(g)]
+        vision = sum(int(g.prod(axis=1).sum()) for g in grids) // merge_size**2
         self.vision_tokens += vision
         self.text_tokens += batch.real_tokens - vision
         self.real_tokens += batch.real_tokens

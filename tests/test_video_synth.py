@@ -113,3 +113,43 @@ def test_mock_of_a_video_profile_is_text_only(tmp_path):
         names = [m.name for m in tf.getmembers()]
     assert names and all(n.endswith(".txt") for n in names)
     assert image_statistics(mock)["videos"] == 0 and image_statistics(real)["videos"] >= 6
+
+
+def test_the_video_bench_times_each_decoder_on_the_same_clips(tmp_path):
+    """``vlmfeed bench video`` on two small clips: DALI CPU and PyAV on VP9, PyAV alone on H.264
+    (the CPU decoder refuses it), ratios against the fastest of each row, what was not run and why."""
+    from datasvc.tools.bench.cli import main as bench_main
+
+    out = tmp_path / "video.json"
+    assert bench_main(["video", "--formats", "vp9/webm", "h264/mp4", "--sizes", "160x120", "--seconds", "1",
+                       "--fps", "24", "--repeats", "1", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["question"] == "How fast is video decode on CPU?" and rep["command"].startswith("vlmfeed bench video")
+    assert rep["date"] and rep["machine"]["cpus"] >= 1 and rep["machine"]["versions"]["av"]
+    rows = {(r["format"], r["mode"]): r for r in rep["rows"]}
+    assert set(rows) == {(f, m) for f in ("vp9/webm", "h264/mp4") for m in ("all", "sampled")}
+    assert set(rows["vp9/webm", "all"]["results"]) >= {"dali_cpu", "pyav"}
+    assert "dali_cpu" not in rows["h264/mp4", "all"]["results"]
+    for (fmt, mode), r in rows.items():
+        # every frame of 1 s at 24 fps, or the processor's 2 a second (its minimum of 4)
+        assert r["frames_wanted"] == (24 if mode == "all" else 4)
+        assert all(x["frames"] == r["frames_wanted"] and x["frames_per_s"] > 0 for x in r["results"].values())
+        assert max(x["vs_fastest"] for x in r["results"].values()) == 1.0
+    assert rep["summary"]["all"]["dali_cpu_over_pyav_geomean"] > 0
+    assert "dali_gpu" in rep["absent"] or "dali_gpu" in rows["h264/mp4", "all"]["results"]
+
+
+def test_delivered_video_tokens_are_vision_tokens_in_the_stream_stats(tmp_path, qwen3vl):
+    from datasvc.packing import PackingConfig, pack
+    from datasvc.stats import StreamStats
+
+    p = dataclasses.replace(PROFILES["video-clips"], media_per_sample={"1+1": 1.0}, video_sizes={"128x96": 1.0},
+                            video_seconds=Dist.choice([1.0]), video_formats={"vp9/webm": 1.0},
+                            megapixels=Dist.choice([0.05]))
+    res, reasons = _run(write_shards(tmp_path, 3, p, seed=4, progress=False)[0], qwen3vl)
+    assert not reasons
+    (b,), _ = pack(res.samples, PackingConfig(seq_len=4096, micro_batch_size=1, pad_id=qwen3vl.pad_id), 768)
+    st = StreamStats()
+    st.add_batch(b, 2)
+    pads = int(((b.tokens == 151655) | (b.tokens == 151656)).sum())  # image and video pad tokens
+    assert st.vision_tokens == pads and st.text_tokens == b.real_tokens - pads

@@ -5,12 +5,15 @@
     vlmfeed bench soak    [--minutes M] [--kill-every S]
     vlmfeed bench sizing  [SHARDS ...] [--probe-samples 64 128 256] [--seeds 8]
     vlmfeed bench peers   data|train|all|duplication ...   against Megatron-Bridge's loader and Ray Data
+    vlmfeed bench video   [--formats vp9/webm h264/mp4 ...] [--sizes 640x360 1280x720] [--out results.json]
 
 ``decode``: per-core decode / preprocess throughput against raw decode and the HF processors, and
 packing efficiency (``bench.decode``). ``service``: the Ray-streamed path with 1..N actors against
 the in-process path (``bench.service``). ``soak``: stream good and hostile shards while killing
 actors, and count what is lost (``bench.soak``). ``sizing``: block sizing's estimate against the
-whole set, per probe size (``bench.sizing``). Each subcommand imports only what it runs.
+whole set, per probe size (``bench.sizing``). ``video``: video decode frames/s, DALI CPU against
+PyAV (and DALI GPU where a device is) on the same clips (``bench.video``). Each subcommand imports
+only what it runs.
 """
 from __future__ import annotations
 
@@ -55,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--mbs", type=int, default=8)
     z.add_argument("--max-pixels", type=int, default=1048576)
     z.add_argument("--out", default="bench-sizing.json")
+    from datasvc.tools.bench.video import FORMATS, SIZES
+
+    v = sub.add_parser("video", help="video decode frames/s per decoder on the same clips")
+    v.add_argument("--formats", nargs="+", default=list(FORMATS), help="codec/extension of each clip")
+    v.add_argument("--sizes", nargs="+", default=list(SIZES), help="WxH of each clip")
+    v.add_argument("--seconds", type=float, default=4.0)
+    v.add_argument("--fps", type=float, default=30.0)
+    v.add_argument("--gop-seconds", type=float, default=2.0, help="seconds between keyframes")
+    v.add_argument("--repeats", type=int, default=3, help="passes per contender and clip (best is kept)")
+    v.add_argument("--out", default="bench-video.json")
     return ap
 
 
@@ -82,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         rep = soak(args.minutes, out=args.out, kill_every_s=args.kill_every)
         return 0 if rep["ok"] else 1
 
-    if args.cmd == "sizing":
+    if args.cmd == "video":
+        from datasvc.tools.bench.video import bench_video, print_video, with_provenance
+
+        rep = with_provenance(bench_video(tuple(args.formats), tuple(args.sizes), args.seconds, args.fps,
+                                          args.gop_seconds, args.repeats), argv)
+        print_video(rep)
+    elif args.cmd == "sizing":
         from datasvc.samples import large_shards
         from datasvc.tools.bench.sizing import bench_sizing, print_sizing
 

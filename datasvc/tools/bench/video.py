@@ -1,0 +1,272 @@
+"""Video decode frames/s on the same clips, decoder against decoder: ``vlmfeed bench video``.
+
+The clips are real photos filmed by a virtual camera and encoded by FFmpeg's encoders
+(``datasvc.tools.synth.videos``), one per codec and frame size, at a fixed length, rate, GOP and
+bits per pixel. Each contender decodes them to RGB uint8 frames on one thread:
+
+- ``dali_cpu``: DALI's CPU video decoder as the actors run it (``datasvc.videodecode``: whole
+  containers in, the frame indices wanted; VP8, VP9 and MJPEG only);
+- ``pyav``: PyAV (FFmpeg's libavcodec), packets decoded in order, frames converted to RGB;
+- ``torchvision``: its video decoder, where this torch build has one (0.22+ moved it to torchcodec);
+- ``dali_gpu``: DALI's mixed backend (NVDEC), when a CUDA device is present.
+
+Two modes: ``all`` decodes every frame; ``sampled`` delivers only the frames the pipeline's processor
+samples (2 a second, ``datasvc.video.sample_frame_indices``), as training does: DALI seeks to the
+keyframe before each, PyAV decodes forward to the last. Rates are wall-clock frames/s delivered,
+best of ``repeats`` passes, and frames per process CPU-second; ratios are against the fastest
+contender of the same clip and mode, in the same run. Nothing here asserts a target.
+"""
+from __future__ import annotations
+
+import io
+import os
+import platform
+import subprocess
+import time
+
+import numpy as np
+
+FORMATS = ("vp9/webm", "vp8/webm", "mjpeg/mkv", "h264/mp4", "hevc/mp4", "av1/mp4")
+SIZES = ("640x360", "1280x720")
+_BITS_PER_PIXEL = {"mjpeg": 1.0}  # intra-only: every frame a JPEG
+_DEFAULT_BPP = 0.08  # web video: 720p30 at about 2.2 Mbit/s
+
+
+def make_clips(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 30.0, gop_seconds: float = 2.0,
+               seed: int = 0) -> list[dict]:
+    """One clip per format and size: ``{"fmt", "size", "data", "header"}``."""
+    from datasvc.tools.synth.videos import VideoSpec, render_video
+    from datasvc.video import probe_video
+
+    clips = []
+    for i, fmt in enumerate(formats):
+        for j, size in enumerate(sizes):
+            w, h = (int(v) for v in size.split("x"))
+            codec = fmt.split("/")[0]
+            spec = VideoSpec(fmt, w, h, fps, round(seconds * fps), _BITS_PER_PIXEL.get(codec, _DEFAULT_BPP) * w * h * fps,
+                             max(1, round(gop_seconds * fps)))
+            data = render_video(spec, np.random.default_rng([seed, i, j]))
+            clips.append({"fmt": fmt, "size": size, "data": data, "header": probe_video(data)})
+    return clips
+
+
+def _frames(clip: dict, mode: str, spec) -> list[int]:
+    from datasvc.video import sample_frame_indices
+
+    h = clip["header"]
+    if mode == "all":
+        return list(range(h.frames))
+    return [int(i) for i in sample_frame_indices(h.frames, h.fps, spec)]
+
+
+def _pyav(clip: dict, wanted: list[int]) -> int:
+    import av
+
+    keep, last, got = set(wanted), max(wanted), 0
+    with av.open(io.BytesIO(clip["data"])) as c:
+        stream = c.streams.video[0]
+        stream.thread_count = 1
+        for k, frame in enumerate(c.decode(stream)):
+            if k in keep:
+                frame.to_ndarray(format="rgb24")
+                got += 1
+            if k >= last:
+                break
+    return got
+
+
+def _dali(decoder):
+    from datasvc.video import VideoPlan
+    from datasvc.vision import ImageRejected
+
+    def run(clip: dict, wanted: list[int]) -> int:
+        h = clip["header"]
+        plan = VideoPlan(clip["data"], h, tuple(wanted), (h.height, h.width), (1, 1, 1), ())
+        (frames,) = decoder.decode_frames([plan])
+        if isinstance(frames, ImageRejected):
+            raise frames
+        return int(frames.shape[0])
+
+    return run
+
+
+def _torchvision_reason() -> str | None:
+    """None when torchvision can decode video here, else why not."""
+    try:
+        import torchvision.io as tio
+    except ImportError as exc:
+        return f"torchvision not installed ({exc})"
+    if not hasattr(tio, "VideoReader"):
+        import torchvision
+
+        return f"torchvision {torchvision.__version__} has no video decoder (moved to torchcodec)"
+    return None
+
+
+def _torchvision(clip: dict, wanted: list[int]) -> int:  # pragma: no cover - builds with VideoReader only
+    import torchvision.io as tio
+
+    keep, last, got = set(wanted), max(wanted), 0
+    with open(f"/tmp/_bench_video_{os.getpid()}", "wb") as f:
+        f.write(clip["data"])
+    try:
+        reader = tio.VideoReader(f.name, "video", num_threads=1)
+        for k, _frame in enumerate(reader):
+            got += k in keep
+            if k >= last:
+                break
+    finally:
+        os.unlink(f.name)
+    return got
+
+
+def _contenders() -> tuple[dict, dict]:
+    """(name -> (decode function, codecs it takes or None for all)), (name -> why it is absent)."""
+    from datasvc.video import CPU_CODECS, GPU_CODECS
+    from datasvc.videodecode import VideoDecoder
+
+    found = {"dali_cpu": (_dali(VideoDecoder(device_id=None, num_threads=1, max_batch=1)), CPU_CODECS),
+             "pyav": (_pyav, None)}
+    absent = {}
+    reason = _torchvision_reason()
+    if reason:
+        absent["torchvision"] = reason
+    else:
+        found["torchvision"] = (_torchvision, None)
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        found["dali_gpu"] = (_dali(VideoDecoder(device_id=0, num_threads=1, max_batch=1)), tuple(GPU_CODECS))
+    else:
+        absent["dali_gpu"] = "no CUDA device"
+    return found, absent
+
+
+def _time_row(contenders: dict, clip: dict, wanted: list[int], repeats: int) -> dict:
+    """Each contender's best pass over the clip. Passes alternate between contenders (and which goes
+    first alternates too), so load from elsewhere on a shared machine lands on all of them alike."""
+    for fn in contenders.values():
+        fn(clip, wanted[:2])  # warm-up: first-use costs (pipeline build, codec open) are not decode
+    best = {n: [float("inf"), float("inf"), 0] for n in contenders}
+    names = list(contenders)
+    for rep in range(max(1, repeats)):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            frames = contenders[name](clip, wanted)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            b = best[name]
+            b[0], b[1], b[2] = min(b[0], wall), min(b[1], cpu), frames
+    return {n: {"frames": f, "seconds": round(w, 5), "cpu_s": round(c, 5), "frames_per_s": round(f / w, 1),
+                "frames_per_cpu_s": round(f / max(c, 1e-9), 1)} for n, (w, c, f) in best.items()}
+
+
+def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 30.0, gop_seconds: float = 2.0,
+                repeats: int = 3, modes=("all", "sampled"), pipeline: str = "qwen3vl") -> dict:
+    """Every contender on every clip it can decode, in each mode; see the module's docstring."""
+    from datasvc.registry import get_pipeline
+    from datasvc.tools.bench.photos import one_thread
+
+    spec = get_pipeline(pipeline).video  # the frames the pipeline's processor samples
+
+    t0 = time.perf_counter()
+    clips = make_clips(formats, sizes, seconds, fps, gop_seconds)
+    build_s = time.perf_counter() - t0
+    found, absent = _contenders()
+    rows = []
+    with one_thread():
+        for clip in clips:
+            for mode in modes:
+                wanted = _frames(clip, mode, spec)
+                row = {"format": clip["fmt"], "size": clip["size"], "mode": mode, "frames_wanted": len(wanted),
+                       "results": {}}
+                able = {n: fn for n, (fn, codecs) in found.items() if codecs is None or clip["header"].codec in codecs}
+                row["results"] = _time_row(able, clip, wanted, repeats)
+                _ratios(row)
+                rows.append(row)
+    return {"kind": "video-decode", "machine": _machine(), "threads": 1, "repeats": repeats,
+            "sampling": {"pipeline": pipeline, "fps": spec.fps, "min_frames": spec.min_frames},
+            "clips": [_clip_facts(c) for c in clips], "clip_build_seconds": round(build_s, 1),
+            "absent": absent, "rows": rows, "summary": _summary(rows)}
+
+
+def _ratios(row: dict) -> None:
+    if not row["results"]:
+        return
+    fastest = max(row["results"], key=lambda n: row["results"][n]["frames_per_s"])
+    row["fastest"] = fastest
+    top = row["results"][fastest]["frames_per_s"]
+    for r in row["results"].values():
+        r["vs_fastest"] = round(r["frames_per_s"] / top, 3)
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Per mode and contender: the geometric mean over clips of its ratio to the fastest, and of
+    DALI CPU's to PyAV on the clips both decode."""
+    out: dict = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r for r in rows if r["mode"] == mode]
+        names = sorted({n for r in mine for n in r["results"]})
+        gm = lambda xs: round(float(np.exp(np.mean(np.log(xs)))), 3) if xs else None  # noqa: E731
+        out[mode] = {"geomean_vs_fastest": {n: gm([r["results"][n]["vs_fastest"] for r in mine if n in r["results"]])
+                                            for n in names}}
+        both = [r for r in mine if {"dali_cpu", "pyav"} <= set(r["results"])]
+        out[mode]["dali_cpu_over_pyav_geomean"] = gm([r["results"]["dali_cpu"]["frames_per_s"]
+                                                      / r["results"]["pyav"]["frames_per_s"] for r in both])
+    return out
+
+
+def _clip_facts(c: dict) -> dict:
+    h = c["header"]
+    return {"format": c["fmt"], "size": c["size"], "frames": h.frames, "fps": h.fps, "keyframes": h.keyframes,
+            "kbps": round(8 * h.stream_bytes / h.duration / 1e3, 1), "bytes": len(c["data"])}
+
+
+def _machine() -> dict:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_at_start": list(os.getloadavg()), "versions": _versions()}
+
+
+def _versions() -> dict:
+    out = {}
+    for mod in ("av", "nvidia.dali", "torch", "torchvision"):
+        try:
+            out[mod] = __import__(mod, fromlist=["__version__"]).__version__
+        except ImportError:
+            out[mod] = None
+    return out
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def print_video(rep: dict) -> None:
+    names = sorted({n for r in rep["rows"] for n in r["results"]})
+    print(f"{'clip':22s} {'mode':8s} {'frames':>6s} " + " ".join(f"{n + ' fps':>18s}" for n in names))
+    for r in rep["rows"]:
+        cells = []
+        for n in names:
+            x = r["results"].get(n)
+            cells.append(f"{'-':>18s}" if x is None else f"{x['frames_per_s']:>9.1f} ({x['vs_fastest']:.2f}x)".rjust(18))
+        print(f"{r['format'] + ' ' + r['size']:22s} {r['mode']:8s} {r['frames_wanted']:>6d} " + " ".join(cells))
+    for mode, s in rep["summary"].items():
+        print(f"{mode}: geomean vs fastest " + ", ".join(f"{k} {v}" for k, v in s["geomean_vs_fastest"].items())
+              + f"; DALI CPU / PyAV {s['dali_cpu_over_pyav_geomean']}")
+    for name, why in rep["absent"].items():
+        print(f"not run: {name}: {why}")
+
+
+def with_provenance(rep: dict, argv: list[str]) -> dict:
+    return {"question": "How fast is video decode on CPU?", "command": "vlmfeed bench video " + " ".join(argv),
+            "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), **rep}
+
+
+__all__ = ["bench_video", "make_clips", "print_video", "with_provenance"]
