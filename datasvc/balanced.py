@@ -16,6 +16,8 @@ A sample whose pixels fail to decode after its header passed leaves its row one 
 (counted as a rejection); the deal stands. The stream ends at the last step every rank can fill.
 Resume: a ``Position``'s ``step`` (micro-batches delivered) says where; the plan is replayed from
 the start from headers (no decode), which costs header reads of every rank's data up to there.
+Both costs fall to one header read per shard per job with ``ServiceConfig.sizes_index``
+(``datasvc.sizes``): the plan then reads each shard's sizes from a shared directory.
 """
 from __future__ import annotations
 
@@ -34,59 +36,8 @@ from datasvc.plan import EpochPlan, Position
 from datasvc.process import ItemResult, WorkItem
 from datasvc.producer import BlockProducer, InlineRunner
 from datasvc.rejects import Accounting
+from datasvc.sizes import HeaderProcessor, SizesIndex
 from datasvc.stats import StageTimes, StreamStats
-
-
-class HeaderProcessor:
-    """A work item's samples as the plan needs them: exact token rows, and as many zero-width pixel
-    rows as the sample has patches (packing counts patches by rows). Rejections as the run counts
-    them where headers tell (read problems, missing text, the user's rules, image headers, encoding)."""
-
-    def __init__(self, cfg: ServiceConfig):
-        from datasvc.filters import SampleRules
-        from datasvc.registry import get_pipeline
-        from datasvc.shards import ReadLimits
-
-        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-        self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
-        self.rules = SampleRules.parse(cfg.filters)
-
-    def __call__(self, item: WorkItem) -> ItemResult:
-        from datasvc.process import encode_from_headers
-        from datasvc.shards import read_samples
-
-        acct, out = Accounting(), []
-        for raw in read_samples(item.shard, list(item.samples), self.limits):
-            acct.read += 1
-            if not raw.problem and raw.text is None and raw.conversation is None:
-                acct.reject(raw.shard, raw.key, "missing_text", "no txt or json member")
-                continue
-            broken = self.rules.check(raw) if self.rules and not raw.problem else None
-            if broken:
-                acct.reject(raw.shard, raw.key, broken, "")
-                continue
-            try:
-                ids, labels, grids = encode_from_headers(raw, self.pipeline)
-            except ValueError as exc:  # ImageRejected, SampleRejected: reason and detail
-                acct.reject(raw.shard, raw.key, getattr(exc, "reason", "encode_error"), getattr(exc, "detail", ""))
-                continue
-            patches = sum(t * h * w for t, h, w in grids)
-            videos = self._video_grids(raw)
-            out.append(EncodedSample(raw.key, raw.shard, ids, labels, np.zeros((patches, 0), np.uint8),
-                                     np.asarray(grids, np.int64).reshape(-1, 3),
-                                     video_pixels=np.zeros((sum(t * h * w for t, h, w in videos), 0), np.uint8),
-                                     video_grid_thw=np.asarray(videos, np.int64).reshape(-1, 3)))
-        return ItemResult(item.item_id, out, acct, StageTimes())
-
-
-    def _video_grids(self, raw) -> list[tuple[int, int, int]]:
-        """Each video's grid from its container headers (frames chosen and sized, none decoded)."""
-        video = getattr(self.pipeline, "video", None)
-        if not raw.videos or video is None:  # encode_from_headers already rejected videos it cannot take
-            return []
-        from datasvc.video import plan_video
-
-        return [tuple(plan_video(data, self.pipeline.vision, video).grid) for _ext, data in raw.videos]
 
 
 class BalancedProducer:
@@ -104,6 +55,9 @@ class BalancedProducer:
         self.plan = plan if plan is not None else EpochPlan(cfg)
         self.model = balance.cost_model(cfg.pipeline, **cfg.balance_cost)
         header = HeaderProcessor(cfg)
+        if cfg.sizes_index:
+            header = SizesIndex(cfg, cfg.sizes_index, self.plan.indexes, header)
+        self.sizes = header if cfg.sizes_index else None
         self.planners = [BlockProducer(cfg, r, None, header, plan=self.plan) for r in range(cfg.dp_size)]
         if process is None:
             from datasvc.process import ItemProcessor
@@ -182,6 +136,8 @@ class BalancedProducer:
                 "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
                                for r in acct.log[-50:]],
                 "balance": {"steps": len(ratios), "cost_model": self.model.source,
+                            "sizes_index": {"built": self.sizes.built, "loaded": self.sizes.loaded}
+                            if self.sizes else None,
                             "straggler_ratio": float(ratios[:, 1].mean()) if len(ratios) else None,
                             "straggler_ratio_unbalanced": float(ratios[:, 0].mean()) if len(ratios) else None},
             }

@@ -90,6 +90,10 @@ class ServiceConfig:
     """GBS / (DP x MBS): the micro-batches a DP rank trains per optimizer step (what ``balance_dp`` deals)."""
     balance_cost: dict = field(default_factory=dict)
     """Options of the pipeline's ``cost_model`` (``preset``, ``calibration``) that ``balance_dp`` uses."""
+    sizes_index: str = ""
+    """A directory all feeders can read (``datasvc.sizes``) where ``balance_dp`` keeps each shard's
+    per-sample sizes, so a shard's headers are read once per job instead of once per feeder.
+    Empty: every feeder plans from headers."""
 
     def __post_init__(self):
         if isinstance(self.shards, str):

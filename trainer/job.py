@@ -44,6 +44,10 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--balance-dp", action="store_true",
                    help="deal each optimizer step's micro-batches across DP ranks by predicted cost, so no rank "
                         "straggles (needs GBS / (DP x MBS) >= 2)")
+    g.add_argument("--sizes-index", default="", metavar="DIR",
+                   help="with --balance-dp: a directory every feeder can read, holding each shard's sample sizes "
+                        "so its headers are read once per job, not once per DP rank (`vlmfeed sizes` fills it "
+                        "ahead; feeders add what is missing)")
     g.add_argument("--decode", choices=["cpu", "gpu"], default="cpu")
     g.add_argument("--decode-threads", type=int, default=1)
     g.add_argument("--data-actors", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
@@ -223,6 +227,7 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
                              decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1],
                              items_per_block=args.items_per_block or 1, balance_dp=args.balance_dp,
+                             sizes_index=args.sizes_index,
                              micro_batches_per_step=cfg.train.gbs // (cfg.train.mbs * layout0.dp_size))
     if args.items_per_block is not None:
         return data_cfg, None

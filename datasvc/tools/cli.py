@@ -5,6 +5,7 @@
     vlmfeed synth --out DIR --samples N        realistic synthetic (or image-free mock) shards
     vlmfeed bench decode|service|soak|sizing   benchmarks
     vlmfeed convert ...                        other data formats to WebDataset shards
+    vlmfeed sizes SHARDS... --out DIR          each shard's sample sizes, ahead of a balanced job
     vlmfeed plan ...                           a training plan (parallelism, MBS) for a cluster
 
 Each subcommand's module is imported only when it is chosen, and gets the rest of the command
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "synth": ("datasvc.tools.synth.cli", "write realistic synthetic (or image-free mock) shards"),
     "bench": ("datasvc.tools.bench.cli", "benchmarks: decode, service, soak, sizing, balance, isolation, peers"),
     "convert": ("datasvc.tools.convert", "convert other data formats to WebDataset shards"),
+    "sizes": ("datasvc.tools.sizes", "index each shard's sample sizes ahead of a --balance-dp job"),
     # The one import of the trainer from the tools, by name and only when chosen: the planner sizes
     # a training job, so it lives with the trainer; the tools package never imports it statically.
     "plan": ("trainer.plan", "plan a training job (parallelism, micro-batch size) for a cluster"),
