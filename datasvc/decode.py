@@ -6,10 +6,7 @@ the same files; a backend's ``to_pixel_rows`` decodes the stored frame, resizes 
 smart-resize target, applies the header's orientation and returns the image's uint8
 ``vision.pixel_rows``. Patch order is the consumer's job (``vision.to_pixel_values``).
 
-Why the CPU backend resizes with OpenCV: measured here on one core, DALI's CPU bicubic antialiased
-resize runs at 11-12 img/s on 1.7 MP photos while its decode runs at ~100; OpenCV's SIMD cubic
-(upscale) / area (downscale) resize takes ~4 ms and stays within 0.003 mean absolute difference of
-the PIL bicubic resize that the HF processor uses.
+The CPU backend resizes with OpenCV (``datasvc.jpegscale`` says why).
 """
 from __future__ import annotations
 
@@ -25,6 +22,8 @@ from typing import Callable, Iterable, Iterator, Literal, Protocol
 import cv2
 import numpy as np
 
+from datasvc import jpegscale
+from datasvc.jpegscale import resize_uint8  # noqa: F401  (datasvc.video's import)
 from datasvc.imagefile import ImageHeader, orient, pil_decode_rgb, probe  # noqa: F401  (probe: the callers' import)
 from datasvc.vision import ImageRejected, VisionSpec, pixel_rows, to_pixel_values
 
@@ -63,33 +62,26 @@ class Decoder(Protocol):
         """The resized image's uint8 ``vision.pixel_rows`` [h*w, 3*P*P] per job, or why it failed."""
 
 
-def resize_uint8(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
-    th, tw = target_hw
-    h, w = image.shape[:2]
-    if (h, w) == (th, tw):
-        return image
-    # Area averaging stands in for PIL's antialiased bicubic when shrinking by more than a quarter;
-    # cubic when growing or shrinking mildly (smart_resize rounding sides to multiples of 32):
-    # there cubic is as close to PIL as area, and OpenCV's area path for non-integer ratios near 1
-    # is ~5x slower (measured: 26 ms vs 4.6 ms for 1936x1291 -> 1920x1280 on one core).
-    mild = min(th / h, tw / w) >= 0.75
-    interp = cv2.INTER_AREA if th * tw < h * w and not mild else cv2.INTER_CUBIC
-    return cv2.resize(image, (tw, th), interpolation=interp)
-
-
 def _needs_pil(header: ImageHeader) -> bool:
     fmt = "JPEG" if header.format == "MPO" else header.format
     return (fmt, header.mode) not in _DALI_MODES
 
 
 class CpuDecoder:
-    """DALI CPU decode (libjpeg-turbo, libpng, libwebp), OpenCV resize. Runs without a GPU."""
+    """DALI CPU decode (libjpeg-turbo, libpng, libwebp), OpenCV resize. Runs without a GPU.
+
+    Each image is resized straight from DALI's output buffer (a view, valid until the next run),
+    so a full-size frame is never copied. ``jpeg="libjpeg-turbo"`` is the explicit, measured
+    option of decoding RGB and grayscale JPEGs with OpenCV's libjpeg-turbo instead, at the reduced
+    DCT scale that still covers the target (``datasvc.jpegscale``); DALI cannot scale its decode.
+    """
 
     name = "cpu"
 
-    def __init__(self, num_threads: int = 1, max_batch: int = 32):
-        self.num_threads = num_threads
-        self.max_batch = max_batch
+    def __init__(self, num_threads: int = 1, max_batch: int = 32, jpeg: Literal["dali", "libjpeg-turbo"] = "dali"):
+        if jpeg not in ("dali", "libjpeg-turbo"):
+            raise ValueError(f"jpeg must be 'dali' or 'libjpeg-turbo', not {jpeg!r}")
+        self.num_threads, self.max_batch, self.jpeg = num_threads, max_batch, jpeg
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="resize") if num_threads > 1 else None
         cv2.setNumThreads(1)  # parallel across images (the pool), not within one resize
         self._lock = threading.Lock()  # a DALI pipeline is fed and run by one thread at a time
@@ -108,7 +100,13 @@ class CpuDecoder:
         self._pipe = decode_pipeline()
         self._pipe.build()
 
-    def _dali(self, blobs: list[bytes]) -> list[np.ndarray]:
+    def _map(self, fn: Callable, items: list) -> list:
+        # OpenCV releases the GIL, so resizes (and libjpeg-turbo decodes) spread over the threads.
+        return list(self._pool.map(fn, items)) if self._pool else [fn(x) for x in items]
+
+    def _dali(self, blobs: list[bytes], finish: Callable | None = None) -> list:
+        """DALI's decode of ``blobs``: ``finish(i, image)`` of each, run while ``image`` is still a
+        view of DALI's output buffer, or copies of the images without ``finish``."""
         with self._lock:
             try:
                 self._pipe.feed_input("encoded", [np.frombuffer(b, dtype=np.uint8) for b in blobs])
@@ -116,48 +114,77 @@ class CpuDecoder:
             except RuntimeError:
                 self._build()  # a DALI pipeline that raised stays broken: start a fresh one
                 raise
-            return [np.asarray(out.at(i)) for i in range(len(blobs))]  # at() already copies
+            views = [np.asarray(out[i]) for i in range(len(blobs))]  # no copy: DALI's own memory
+            if finish is None:
+                return [v.copy() for v in views]
+            return self._map(lambda i: finish(i, views[i]), list(range(len(views))))
 
-    def _decode_full(self, jobs: list[DecodeJob]) -> list[np.ndarray | ImageRejected]:
-        results: list[np.ndarray | ImageRejected | None] = [None] * len(jobs)
-        dali_idx = [i for i, j in enumerate(jobs) if not _needs_pil(j.header)]
-        for i, job in enumerate(jobs):
-            if i not in dali_idx:
-                results[i] = _pil_or_reject(job.data, job.header.pixels)
-        for start in range(0, len(dali_idx), self.max_batch):
-            chunk = dali_idx[start:start + self.max_batch]
+    def _dali_finish(self, jobs: list[DecodeJob], finish: Callable) -> list:
+        """``finish(job, image)`` of each job's DALI decode, in batches; a failed batch is redone
+        one by one to isolate the bad image, which gets its reason."""
+        results: list = []
+        for start in range(0, len(jobs), self.max_batch):
+            chunk = jobs[start:start + self.max_batch]
             try:
-                for i, img in zip(chunk, self._dali([jobs[i].data for i in chunk])):
-                    results[i] = img
+                results += self._dali([j.data for j in chunk], lambda i, img: finish(chunk[i], img))
             except RuntimeError:
-                # One bad image fails DALI's whole batch: redo one by one to isolate it.
-                for i in chunk:
+                for job in chunk:
                     try:
-                        results[i] = self._dali([jobs[i].data])[0]
+                        results += self._dali([job.data], lambda i, img: finish(job, img))
                     except RuntimeError as exc:
-                        results[i] = ImageRejected("corrupt_image", str(exc).splitlines()[0][:200])
-        return results  # type: ignore[return-value]
+                        results.append(ImageRejected("corrupt_image", str(exc).splitlines()[0][:200]))
+        return results
 
     def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
                       timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        t0 = time.perf_counter()
-        full = self._decode_full(jobs)
-        t1 = time.perf_counter()
-        args = [(job, img, spec) for job, img in zip(jobs, full)]
-        # OpenCV releases the GIL, so resizes spread over the decode threads.
-        out = list(self._pool.map(lambda a: self._finish(*a), args)) if self._pool else [self._finish(*a) for a in args]
+        t0, resize_s = time.perf_counter(), []
+
+        def finish(job: DecodeJob, img, expect_hw=None):
+            t = time.perf_counter()
+            rows = _finish(job, img, expect_hw or job.header.stored_hw, spec)
+            resize_s.append(time.perf_counter() - t)
+            return rows
+
+        out: list = [None] * len(jobs)
+        if self.jpeg == "libjpeg-turbo":
+            scaled = [i for i, j in enumerate(jobs)
+                      if j.header.format in ("JPEG", "MPO") and j.header.mode in ("RGB", "L")]
+            for i, rows in zip(scaled, self._map(lambda i: _turbo_rows(jobs[i], finish), scaled)):
+                out[i] = rows  # None: libjpeg-turbo refused it; DALI names the reason below
+        pil = [i for i, j in enumerate(jobs) if out[i] is None and _needs_pil(j.header)]
+        for i, img in zip(pil, self._map(lambda i: _pil_or_reject(jobs[i].data, jobs[i].header.pixels), pil)):
+            out[i] = finish(jobs[i], img)
+        rest = [i for i, r in enumerate(out) if r is None]
+        for i, rows in zip(rest, self._dali_finish([jobs[i] for i in rest], finish)):
+            out[i] = rows
         if timer:
-            timer("decode", t1 - t0, len(jobs))
-            timer("preprocess", time.perf_counter() - t1, len(jobs))
+            # Resizes run inside the decode pass (on DALI's buffer), spread over the threads: their
+            # thread-seconds over the thread count stand for their share of the wall time.
+            total = time.perf_counter() - t0
+            prep = min(total, sum(resize_s) / max(1, self.num_threads))
+            timer("decode", total - prep, len(jobs))
+            timer("preprocess", prep, len(jobs))
         return out
 
-    @staticmethod
-    def _finish(job: DecodeJob, img, spec: VisionSpec):
-        if not isinstance(img, np.ndarray):
-            return img
-        if img.shape[:2] != job.header.stored_hw:
-            return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header {job.header.stored_hw}")
-        return pixel_rows(orient(resize_uint8(img, job.decode_hw), job.header.orientation), spec)
+
+def _turbo_rows(job: DecodeJob, finish: Callable) -> np.ndarray | ImageRejected | None:
+    stored = job.header.stored_hw
+    d = jpegscale.dct_scale(stored, job.decode_hw)
+    img = jpegscale.decode_scaled(job.data, d)
+    return None if img is None else finish(job, img, jpegscale.scaled_hw(stored, d))
+
+
+def _finish(job: DecodeJob, img, expect_hw: tuple[int, int], spec: VisionSpec):
+    """A decoded frame -> its pixel rows: resized to the target, then oriented; a fresh array,
+    never a view of the decoder's buffer."""
+    if not isinstance(img, np.ndarray):
+        return img
+    if img.shape[:2] != expect_hw:
+        return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header {expect_hw}")
+    resized = jpegscale.fit_uint8(img, job.decode_hw)
+    if job.header.orientation == 1 and resized is img:
+        resized = img.copy()  # already at the target: the one case that would alias DALI's buffer
+    return pixel_rows(orient(resized, job.header.orientation), spec)
 
 
 def _pil_or_reject(data: bytes, pixels: int) -> np.ndarray | ImageRejected:
@@ -413,9 +440,10 @@ class GpuDecoder:
                             timer)
 
 
-def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int = 0) -> Decoder:
+def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int = 0,
+                 jpeg: Literal["dali", "libjpeg-turbo"] = "dali") -> Decoder:
     if kind == "cpu":
-        return CpuDecoder(num_threads=num_threads)
+        return CpuDecoder(num_threads=num_threads, jpeg=jpeg)
     if kind == "gpu":
         return GpuDecoder(device_id=device_id, num_threads=max(2, num_threads))
     raise ValueError(f"decode backend must be 'cpu' or 'gpu', not {kind!r}")

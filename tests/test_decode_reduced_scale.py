@@ -1,0 +1,157 @@
+"""The CPU decoder's resize paths against the HF processor: the default DALI path resizing straight
+from DALI's buffer (halving large frames first), and the explicit libjpeg-turbo option that decodes
+JPEGs at a reduced DCT scale, on photos large enough that the scale kicks in."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from datasvc import jpegscale
+from datasvc.decode import CpuDecoder, DecodeJob, probe
+from datasvc.samples import real_photos
+from datasvc.vision import VisionSpec
+from test_hf_equivalence import MAX_MAD, ours, reference
+
+CAPS = (512 * 512, 1024 * 1024)
+
+
+@pytest.fixture(scope="module")
+def turbo_decoder():
+    return CpuDecoder(num_threads=1, jpeg="libjpeg-turbo")
+
+
+@pytest.fixture(scope="module", params=["dali", "libjpeg-turbo"])
+def any_decoder(request, cpu_decoder, turbo_decoder):
+    return cpu_decoder if request.param == "dali" else turbo_decoder
+
+
+def _large(img: np.ndarray, width: int, seed: int = 0) -> np.ndarray:
+    """A real photo enlarged to ``width`` (Lanczos) with sensor-like noise, so it keeps photo-like
+    detail per pixel instead of turning smooth."""
+    h, w = img.shape[:2]
+    big = np.asarray(Image.fromarray(img).resize((width, round(width * h / w)), Image.LANCZOS), np.float32)
+    big += np.random.default_rng(seed).normal(0.0, 2.5, big.shape).astype(np.float32)
+    return np.clip(big + 0.5, 0, 255).astype(np.uint8)
+
+
+def _jpeg(img, **kw) -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(img).save(b, "JPEG", quality=90, **kw)
+    return b.getvalue()
+
+
+def _colour_photos(n: int):
+    return [(name, img) for name, img, _ in real_photos() if img.ndim == 3 and img.shape[2] == 3][:n]
+
+
+def _scale_of(data: bytes, spec: VisionSpec) -> int:
+    h = probe(data, spec.max_decode_pixels)
+    job = DecodeJob(data, h, spec.target_size(h.height, h.width))
+    return jpegscale.dct_scale(h.stored_hw, job.decode_hw)
+
+
+def _assert_matches_hf(data: bytes, spec: VisionSpec, decoder, what: str) -> float:
+    pv, grid = ours(data, spec, decoder)
+    ref_pv, ref_grid = reference(data, spec)
+    assert tuple(grid) == tuple(ref_grid), what
+    mad = float(np.abs(pv - ref_pv).mean())
+    assert mad < MAX_MAD, f"{what}: mean abs diff {mad:.4f}"
+    return mad
+
+
+def test_dct_scale_is_the_smallest_that_covers_the_target():
+    """The largest scale whose output is still 1.5x the target on both sides."""
+    assert jpegscale.dct_scale((3000, 4000), (864, 1184)) == 2  # 1500x2000 >= 1.5x; 750x1000 is not
+    assert jpegscale.dct_scale((3000, 4000), (352, 480)) == 4  # 375x500 is under 1.5x
+    assert jpegscale.dct_scale((3000, 4000), (1504, 2016)) == 1  # over a third of the source
+    assert jpegscale.dct_scale((1001, 1001), (334, 334)) == 2  # ceil(1001/2) = 501 = 1.5 * 334
+    assert jpegscale.dct_scale((1001, 999), (334, 334)) == 1  # 500 < 501
+    assert jpegscale.scaled_hw((1001, 999), 4) == (251, 250)  # libjpeg rounds up
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_large_photos_match_hf_where_the_scale_kicks_in(any_decoder, cap):
+    spec = VisionSpec(max_pixels=cap)
+    scales = set()
+    for i, (name, img) in enumerate(_colour_photos(4)):
+        data = _jpeg(_large(img, 3200 + 600 * i, seed=i))
+        scales.add(_scale_of(data, spec))
+        _assert_matches_hf(data, spec, any_decoder, f"{name} at cap {cap}")
+    assert scales & {2, 4, 8}, f"no reduced scale used: {scales}"
+
+
+@pytest.mark.parametrize("kind", ["grayscale", "progressive", "exif6", "exif3", "cmyk", "subsampling444"])
+def test_turbo_option_keeps_every_jpeg_kind_exact(turbo_decoder, kind):
+    img = _large(_colour_photos(1)[0][1], 2600)
+    if kind == "grayscale":
+        data = _jpeg(np.asarray(Image.fromarray(img).convert("L")))
+    elif kind == "progressive":
+        data = _jpeg(img, progressive=True)
+    elif kind.startswith("exif"):
+        exif = Image.Exif()
+        exif[0x0112] = int(kind[-1])
+        data = _jpeg(img, exif=exif.tobytes())
+    elif kind == "cmyk":  # PIL's conversion on every path
+        b = io.BytesIO()
+        Image.fromarray(img).convert("CMYK").save(b, "JPEG", quality=90)
+        data = b.getvalue()
+    else:
+        data = _jpeg(img, subsampling=0)
+    spec = VisionSpec(max_pixels=512 * 512)
+    assert _scale_of(data, spec) > 1
+    if kind.startswith("exif"):
+        from PIL import ImageOps
+
+        # HF's load_image applies the EXIF orientation; so does our default policy.
+        b = io.BytesIO()
+        ImageOps.exif_transpose(Image.open(io.BytesIO(data))).save(b, "PNG")
+        pv, grid = ours(data, spec, turbo_decoder)
+        ref_pv, ref_grid = reference(b.getvalue(), spec)
+        assert tuple(grid) == tuple(ref_grid)
+        assert float(np.abs(pv - ref_pv).mean()) < MAX_MAD
+    else:
+        _assert_matches_hf(data, spec, turbo_decoder, kind)
+
+
+def test_turbo_option_equals_dali_on_small_and_png(cpu_decoder, turbo_decoder):
+    """Below half the source no scale applies; non-JPEGs go to DALI either way."""
+    spec = VisionSpec()
+    name, img = _colour_photos(1)[0]
+    b = io.BytesIO()
+    Image.fromarray(img).save(b, "PNG")
+    for data in (_jpeg(img), b.getvalue()):
+        a, _ = ours(data, spec, cpu_decoder)
+        t, _ = ours(data, spec, turbo_decoder)
+        assert float(np.abs(a - t).mean()) < 0.01
+
+
+@pytest.mark.parametrize("jpeg", ["dali", "libjpeg-turbo"])
+def test_rows_do_not_alias_the_decoders_buffer(jpeg):
+    """Images already at their target size come out of DALI's reused output buffer unresized: their
+    rows must be copies, untouched by the next batch."""
+    decoder = CpuDecoder(num_threads=1, max_batch=4, jpeg=jpeg)
+    spec = VisionSpec(min_pixels=32 * 32)
+    rng = np.random.default_rng(0)
+
+    def jobs(seed):
+        out = []
+        for k in range(3):
+            img = rng.integers(0, 256, (64 * (k + 1), 96, 3), dtype=np.uint8) if seed else \
+                np.full((64 * (k + 1), 96, 3), 10 * k, np.uint8)
+            data = _jpeg(img)
+            h = probe(data, spec.max_decode_pixels)
+            out.append(DecodeJob(data, h, spec.target_size(h.height, h.width)))
+            assert out[-1].target_hw == h.stored_hw
+        return out
+
+    first = decoder.to_pixel_rows(jobs(0), spec)
+    kept = [r.copy() for r in first]
+    decoder.to_pixel_rows(jobs(1), spec)
+    for r, k in zip(first, kept):
+        np.testing.assert_array_equal(r, k)
+
+
+def test_bad_option_is_refused():
+    with pytest.raises(ValueError, match="libjpeg-turbo"):
+        CpuDecoder(jpeg="turbo")
