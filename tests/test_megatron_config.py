@@ -471,6 +471,16 @@ def test_packed_row_matches_samples_alone():
     assert report["ok"], report
 
 
+@needs_bridge
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="builds the Qwen3-VL model: needs a CUDA GPU")
+def test_packed_row_with_video_matches_samples_alone():
+    from trainer.bench.gpu_proof import packed_vs_alone
+
+    report = packed_vs_alone(num_layers=4, num_experts=128, with_video=True)
+    assert report["ok"] and report["video_grids"] == [[4, 16, 16], [2, 20, 12]], report
+
+
 def test_timed_forward_step_keeps_the_signature_bridge_injects_state_by():
     from megatron.bridge.training.utils.train_utils import needs_global_state_injection
 

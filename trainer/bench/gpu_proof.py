@@ -1,6 +1,7 @@
 """GPU proofs for the Megatron-Bridge backend (run on the H200 device machine).
 
     python -m trainer.bench.gpu_proof packed            # packed row == samples alone, per-sample losses
+    python -m trainer.bench.gpu_proof packed --video    # the same with video samples in the row
     python -m trainer.bench.gpu_proof train --strategy fsdp --steps 20 --mbs 2   # train() on synthetic rows
 
 ``packed``: builds the Qwen3-VL-30B-A3B proxy (4 decoder layers, full 27-layer vision tower, 128 experts)
@@ -44,16 +45,26 @@ def _single_process_env() -> None:
 # ------------------------------------------------------------------------------------------------
 # Synthetic samples in the data service's format
 # ------------------------------------------------------------------------------------------------
-def synthetic_sample(rng: torch.Generator, grids: list[tuple[int, int, int]], n_before: int, n_after: int):
-    """(tokens, labels, grids): text, image spans, text. Labels are next tokens on text only."""
+def synthetic_sample(rng: torch.Generator, grids: list[tuple[int, int, int]], n_before: int, n_after: int,
+                     videos: list[tuple[int, int, int]] = ()):
+    """(tokens, labels, image grids, video grids): text, image spans, video spans, text. A video span
+    is laid out as Qwen3-VL's processor lays it out: per temporal group a timestamp (here four text
+    tokens), then the group's pads between vision start and end, all inside an outer start and end.
+    Labels are next tokens on text only."""
     ids = torch.randint(1000, 150000, (n_before,), generator=rng).tolist()
     for t, h, w in grids:
         ids += [TOKENS.vision_start] + [TOKENS.image_pad] * (t * h * w // 4) + [TOKENS.vision_end]
+    for t, h, w in videos:
+        ids += [TOKENS.vision_start]
+        for _ in range(t):
+            ids += torch.randint(1000, 150000, (4,), generator=rng).tolist()
+            ids += [TOKENS.vision_start] + [VIDEO_PAD] * (h * w // 4) + [TOKENS.vision_end]
+        ids += [TOKENS.vision_end]
     ids += torch.randint(1000, 150000, (n_after,), generator=rng).tolist()
     tokens = torch.tensor(ids)
     labels = torch.cat([tokens[1:], torch.tensor([IGNORE_INDEX])])
-    labels[(tokens == TOKENS.image_pad) | (tokens == TOKENS.vision_start)] = IGNORE_INDEX
-    return tokens, labels, grids
+    labels[(tokens == TOKENS.image_pad) | (tokens == VIDEO_PAD) | (tokens == TOKENS.vision_start)] = IGNORE_INDEX
+    return tokens, labels, grids, list(videos)
 
 
 def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Generator) -> dict:
@@ -63,13 +74,15 @@ def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Gene
     labels = torch.full((B, seq_len), IGNORE_INDEX, dtype=torch.long)
     cu = torch.zeros((B, K + 1), dtype=torch.int32)
     grids: list[tuple[int, int, int]] = []
+    video_grids: list[tuple[int, int, int]] = []
     for r, samples in enumerate(rows):
         at = 0
-        for j, (tk, lb, gr) in enumerate(samples):
+        for j, (tk, lb, gr, *vids) in enumerate(samples):
             tokens[r, at:at + len(tk)], labels[r, at:at + len(tk)] = tk, lb
             at += len(tk)
             cu[r, j + 1] = at
             grids += gr
+            video_grids += vids[0] if vids else []
         cu[r, len(samples) + 1:] = at
     n_patches = sum(t * h * w for t, h, w in grids)
     batch = {
@@ -78,6 +91,9 @@ def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Gene
         "pixel_values": torch.randn(n_patches, 1536, generator=rng),
         "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
     }
+    if video_grids:
+        batch["pixel_values_videos"] = torch.randn(sum(t * h * w for t, h, w in video_grids), 1536, generator=rng)
+        batch["video_grid_thw"] = torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)
     batch = {k: v.to(device) for k, v in batch.items()}
     batch["sample_keys"] = [f"synthetic/{r}/{j}" for r, s in enumerate(rows) for j in range(len(s))]
     return batch
@@ -139,74 +155,100 @@ def build_model(num_layers: int, num_experts: int, seq_len: int):
     return model, provider
 
 
-@torch.no_grad()
-def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 2048,
-                    atol: float = 0.01, rtol: float = 0.0) -> dict:
-    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
-    from trainer.megatron.thd import mrope_position_ids, pack_thd, per_sample_losses
-
-    model, provider = build_model(num_layers, num_experts, seq_len)
-    device = torch.device("cuda", torch.cuda.current_device())
-    rng = torch.Generator().manual_seed(7)
+def proof_samples(rng: torch.Generator, with_video: bool) -> list[tuple]:
+    """Image+text samples (and with ``with_video``, a video with an image, and a video alone)."""
     samples = [
         synthetic_sample(rng, [(1, 28, 28)], 40, 200),  # 196 image tokens
         synthetic_sample(rng, [(1, 16, 24), (1, 12, 12)], 30, 150),  # two images
         synthetic_sample(rng, [], 120, 0),  # text only
         synthetic_sample(rng, [(1, 32, 20)], 25, 300),
     ]
+    if with_video:  # 4 temporal groups of 16x16 patches (64 pads each), then 2 groups of 20x12
+        samples[1] = synthetic_sample(rng, [(1, 12, 12)], 30, 150, videos=[(4, 16, 16)])
+        samples.append(synthetic_sample(rng, [], 20, 120, videos=[(2, 20, 12)]))
+    return samples
+
+
+def _rope(tokens, grid, videos):
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
+
+    pos, _ = get_rope_index(2, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, tokens,
+                            image_grid_thw=grid, video_grid_thw=None if videos is None else videos.clone())
+    return pos
+
+
+def _vision_inputs(batch: dict, grid_at: tuple[int, int], video_at: tuple[int, int], sample: tuple) -> dict:
+    """One sample's slice of the batch's images and videos, as model keyword arguments."""
+    _, _, grids, videos = sample
+    out = {"pixel_values": None, "image_grid_thw": None, "pixel_values_videos": None, "video_grid_thw": None}
+    for (g_at, p_at), n, grid_key, pix_key in ((grid_at, len(grids), "image_grid_thw", "pixel_values"),
+                                               (video_at, len(videos), "video_grid_thw", "pixel_values_videos")):
+        if n:
+            grid = batch[grid_key][g_at:g_at + n]
+            out[grid_key], out[pix_key] = grid, batch[pix_key][p_at:p_at + int(grid.prod(-1).sum())]
+    return out
+
+
+@torch.no_grad()
+def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 2048,
+                    atol: float = 0.01, rtol: float = 0.0, with_video: bool = False) -> dict:
+    from trainer.megatron.thd import mrope_position_ids, pack_thd, per_sample_losses
+
+    model, provider = build_model(num_layers, num_experts, seq_len)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rng = torch.Generator().manual_seed(7)
+    samples = proof_samples(rng, with_video)
     batch = rows_to_batch([samples], seq_len, device, rng)
+    videos = batch.get("video_grid_thw")
+    vision = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
+              "pixel_values_videos": batch.get("pixel_values_videos"), "video_grid_thw": videos}
 
     # Packed: one row, THD segments, MRoPE restarted per sample.
     p = pack_thd(batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["num_samples"])
-    pos = mrope_position_ids(p, batch["image_grid_thw"], provider.spatial_merge_size)
+    pos = mrope_position_ids(p, batch["image_grid_thw"], provider.spatial_merge_size, videos)
     out = model(input_ids=p.tokens, position_ids=pos, attention_mask=None, labels=p.labels,
-                loss_mask=p.loss_mask, packed_seq_params=p.params,
-                pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+                loss_mask=p.loss_mask, packed_seq_params=p.params, **vision)
     packed = per_sample_losses(out, p.loss_mask, p.sample_spans)
 
     # Alone: each sample as its own row, no packing at all (BSHD causal attention).
-    alone, patch_at, image_at = [], 0, 0
-    for tokens, labels, grids in samples:
-        n_img = len(grids)
-        grid = batch["image_grid_thw"][image_at:image_at + n_img]
-        n_patch = int(grid.prod(-1).sum()) if n_img else 0
-        pix = batch["pixel_values"][patch_at:patch_at + n_patch]
-        patch_at, image_at = patch_at + n_patch, image_at + n_img
+    alone, grid_at, video_at = [], (0, 0), (0, 0)
+    for sample in samples:
+        tokens, labels, grids, vids = sample
+        mine = _vision_inputs(batch, grid_at, video_at, sample)
+        grid_at = (grid_at[0] + len(grids), grid_at[1] + sum(t * h * w for t, h, w in grids))
+        video_at = (video_at[0] + len(vids), video_at[1] + sum(t * h * w for t, h, w in vids))
         tk, lb = tokens[None].to(device), labels[None].to(device)
         mask = (lb != IGNORE_INDEX).float()
         lb = torch.where(lb == IGNORE_INDEX, torch.full_like(lb, TOKENS.pad), lb)
-        spos, _ = get_rope_index(2, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, tk,
-                                 image_grid_thw=grid if n_img else None)
-        o = model(input_ids=tk, position_ids=spos, attention_mask=None, labels=lb, loss_mask=mask,
-                  pixel_values=pix if n_img else None, image_grid_thw=grid if n_img else None)
+        o = model(input_ids=tk, position_ids=_rope(tk, mine["image_grid_thw"], mine["video_grid_thw"]),
+                  attention_mask=None, labels=lb, loss_mask=mask, **mine)
         alone += per_sample_losses(o, mask, [(0, tk.shape[1])])
 
     # Control: the packed row as one sequence (attention crosses samples, positions run on).
-    whole_pos, _ = get_rope_index(2, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, p.tokens,
-                                  image_grid_thw=batch["image_grid_thw"])
-    o = model(input_ids=p.tokens, position_ids=whole_pos, attention_mask=None, labels=p.labels,
-              loss_mask=p.loss_mask, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    o = model(input_ids=p.tokens, position_ids=_rope(p.tokens, batch["image_grid_thw"], videos), attention_mask=None,
+              labels=p.labels, loss_mask=p.loss_mask, **vision)
     crossing = per_sample_losses(o, p.loss_mask, p.sample_spans)
+    return _judge(packed, alone, crossing, atol, rtol) | {
+        "num_layers": num_layers, "num_experts": num_experts, "vision_depth": provider.vision_config.depth,
+        "with_video": with_video, "video_grids": [list(v) for s in samples for v in s[3]],
+        "sample_tokens": [len(s[0]) for s in samples], "packed_loss": packed, "alone_loss": alone,
+        "control_crossing_loss": crossing, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
-    # One tolerance for both checks: the packed row must stay inside it for every sample, and the
-    # control (attention and positions crossing samples) must leave it for at least one sample after
-    # the first (the first sample sees no other sample in either layout). A control judged against a
-    # looser bar than the proof could pass the proof's own tolerance and show nothing.
+
+def _judge(packed: list[float], alone: list[float], crossing: list[float], atol: float, rtol: float) -> dict:
+    """One tolerance for both checks: the packed row must stay inside it for every sample, and the
+    control (attention and positions crossing samples) must leave it for at least one sample after
+    the first (the first sample sees no other sample in either layout). A control judged against a
+    looser bar than the proof could pass the proof's own tolerance and show nothing."""
     tol = [atol + rtol * abs(b) for b in alone]
     diffs = [abs(a - b) for a, b in zip(packed, alone)]
     ok = all(d <= t for d, t in zip(diffs, tol))
     control_diffs = [abs(a - b) for a, b in zip(crossing[1:], alone[1:])]
-    control_diff = max(control_diffs)
     control_fails = any(d > t for d, t in zip(control_diffs, tol[1:]))
-    return {
-        "proof": "packed_vs_alone", "ok": ok and control_fails,
-        "packed_within_tolerance": ok, "control_outside_tolerance": control_fails,
-        "num_layers": num_layers, "num_experts": num_experts, "vision_depth": provider.vision_config.depth,
-        "sample_tokens": [len(s[0]) for s in samples], "packed_loss": packed, "alone_loss": alone,
-        "max_abs_diff": max(diffs), "tolerance": {"atol": atol, "rtol": rtol},
-        "control_crossing_loss": crossing, "control_max_diff": control_diff,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
+    return {"proof": "packed_vs_alone", "ok": ok and control_fails, "packed_within_tolerance": ok,
+            "control_outside_tolerance": control_fails, "max_abs_diff": max(diffs),
+            "tolerance": {"atol": atol, "rtol": rtol}, "control_max_diff": max(control_diffs)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", choices=["fsdp", "3d"], default="fsdp")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--video", action="store_true", help="packed: put video samples (and one video+image) in the row")
     args, extra = ap.parse_known_args(argv)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     if args.proof == "packed":
-        report = packed_vs_alone(args.num_layers, args.num_experts, args.seq_len or 2048)
+        report = packed_vs_alone(args.num_layers, args.num_experts, args.seq_len or 2048, with_video=args.video)
     else:
         metrics = str(out_dir / f"metrics_{args.strategy}.jsonl") if out_dir else None
         report = train_synthetic(args.strategy, args.steps, args.mbs, args.seq_len or 4096, args.num_layers,
@@ -257,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if out_dir and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        (out_dir / f"proof_{args.proof}_{args.strategy if args.proof == 'train' else 'row'}.json").write_text(text)
+        (out_dir / f"proof_{args.proof}_{args.strategy if args.proof == 'train' else 'row'}"
+                                      f"{'_video' if args.video else ''}.json").write_text(text)
     return 0 if report["ok"] else 1
 
 
