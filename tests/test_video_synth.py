@@ -53,7 +53,8 @@ def test_calibration_reads_video_headers(real_video_shard):
     assert 0 < st["video_gop_seconds"] and st["video_kbps"] > 0
     p = calibrate(real_video_shard)
     assert p.media_per_sample == {"0+1": 7 / 8, "1+1": 1 / 8}
-    assert p.video_sizes == {"128x96": 5 / 8, "160x120": 3 / 8}
+    assert p.video_sizes == {"mjpeg/mkv": {"128x96": 2 / 3, "160x120": 1 / 3},
+                             "vp9/webm": {"128x96": 3 / 5, "160x120": 2 / 5}}  # sizes go with their format
     assert sorted(p.video_fps.values) == [10, 12, 20, 24]
     assert set(p.video_bits_per_pixel) == {"mjpeg/mkv", "vp9/webm"}  # one rate distribution per format
     # MJPEG stores every frame whole: its keyframe interval is one frame, VP9's many
@@ -153,3 +154,21 @@ def test_delivered_video_tokens_are_vision_tokens_in_the_stream_stats(tmp_path, 
     st.add_batch(b, 2)
     pads = int(((b.tokens == 151655) | (b.tokens == 151656)).sum())  # image and video pad tokens
     assert st.vision_tokens == pads and st.text_tokens == b.real_tokens - pads
+
+
+def test_calibrated_synthetic_videos_cost_what_the_real_ones_cost(tmp_path, real_video_shard):
+    """The in-process video cost (``vlmfeed profile compare`` prints it): calibrated synthetic clips
+    against the real ones, per sampled frame of decode + resize, and in vision tokens per video."""
+    from datasvc.tools.profile.videocost import video_cost, video_cost_table
+
+    syn = write_shards(tmp_path / "syn", 16, calibrate(real_video_shard), seed=5, progress=False)
+    image_only = write_shards(tmp_path / "img", 2, "web-photos", seed=0, progress=False)
+    assert video_cost({"images": image_only}) == {}
+    cost = video_cost({"real": [real_video_shard], "synthetic": syn}, repeat=3)
+    real, synth = cost["real"], cost["synthetic"]
+    assert real["videos"] == 8 and synth["videos"] == 16 and synth["rejected_videos"] == 0
+    assert real["sampled_frames"] == 4 * 8  # 1-2 s clips: the processor's minimum of 4 frames each
+    assert synth["ratio"]["vision_tokens_per_video"] == pytest.approx(1.0, abs=0.15)
+    assert 0.6 < synth["ratio"]["cpu_ms_per_frame"] < 1.6
+    table = video_cost_table(cost)
+    assert "dec+resize CPU ms/frame" in table and "x)" in table

@@ -187,6 +187,10 @@ def _print_comparison(cmp: dict) -> None:
         print("warning: " + cmp["warning"])
     if "image_cost" in cmp:
         print(image_cost_table(cmp["image_cost"]))
+    if "video_cost" in cmp:
+        from datasvc.tools.profile.videocost import video_cost_table
+
+        print(video_cost_table(cmp["video_cost"]))
     if "claim" in cmp:
         print("claim: " + json.dumps(cmp["claim"], default=_json_default))
 

@@ -46,6 +46,11 @@ def compare(sources: dict[str, list[str]], settings: Settings, demand: Demand | 
     out = {"sources": {n: list(s) for n, s in sources.items()}, "reference": next(iter(sources)), "repeat": repeat,
            "reports": reports, "rows": compare_rows(reports),
            "rounds": {n: [r["runs"] for r in reps] for n, reps in per_round.items()}}
+    from datasvc.tools.profile.videocost import video_cost
+
+    vc = video_cost(sources, settings.pipeline, settings.pipeline_options(), settings.decode, settings.threads)
+    if vc:
+        out["video_cost"] = vc
     if settings.items_per_block is not None:
         warning = block_geometry_warning(reports)
         if warning:

@@ -78,14 +78,17 @@ class Settings:
             model = balance.cost_model(self.pipeline)
         return balance.profile_straggler(shapes, dp, per_rank, model, self.balance)
 
+    def pipeline_options(self) -> dict:
+        """The pipeline options these settings override (the rest are the pipeline's)."""
+        return {k: v for k, v in (("max_pixels", self.max_pixels), ("video_fps", self.video_fps),
+                                  ("video_max_pixels", self.video_max_pixels)) if v}
+
     def config(self, mbs: int, actors: int):
         """The service config of one setting, with blocks as ``trainer.run`` makes them."""
         from datasvc.config import ServiceConfig
         from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
 
-        opts = {k: v for k, v in (("max_pixels", self.max_pixels), ("video_fps", self.video_fps),
-                                  ("video_max_pixels", self.video_max_pixels)) if v}
-        cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=opts,
+        cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=self.pipeline_options(),
                             seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
                             decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,

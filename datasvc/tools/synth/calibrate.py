@@ -246,7 +246,9 @@ def calibrate(paths, name: str = "calibrated") -> Profile:
 
 def _video_fields(recs: list[dict]) -> dict:
     """The profile's video fields fitted to the records' videos; none (the defaults, unused) when
-    the shards hold no video, so an image set calibrates exactly as before."""
+    the shards hold no video, so an image set calibrates exactly as before. Size, bits per pixel
+    and keyframe interval are fitted per format: they go with the codec (MJPEG spends ten times
+    VP9's bits, and a set's MJPEG clips need not share its VP9 clips' sizes)."""
     vids = [v for r in recs for v in r["videos"]]
     if not vids:
         return {}
@@ -261,7 +263,8 @@ def _video_fields(recs: list[dict]) -> dict:
     per_format = lambda key: {f: Dist.fit_quantiles(v[key] for v in vs) for f, vs in by_format.items()}  # noqa: E731
     return {"media_per_sample": dict(sorted(media.items())),
             "video_formats": {f: len(vs) / len(vids) for f, vs in by_format.items()},
-            "video_sizes": fit_sizes(vids), "video_fps": Dist.fit_choice(round(v["fps"], 3) for v in vids),
+            "video_sizes": {f: fit_sizes(vs) for f, vs in by_format.items()},
+            "video_fps": Dist.fit_choice(round(v["fps"], 3) for v in vids),
             "video_seconds": Dist.fit_quantiles(v["seconds"] for v in vids),
             "video_bits_per_pixel": per_format("bits_per_pixel"), "video_gop_seconds": per_format("gop_seconds")}
 

@@ -198,7 +198,9 @@ class Profile:
     real sets mix image samples and video samples rather than drawing the two counts apart. None
     (every image-only profile): ``images_per_sample`` and no video."""
     video_formats: dict[str, float] = field(default_factory=lambda: {"vp9/webm": 1.0})  # codec/extension
-    video_sizes: dict[str, float] = field(default_factory=lambda: {"640x360": 1.0})  # WxH
+    video_sizes: dict = field(default_factory=lambda: {"640x360": 1.0})
+    """Frame sizes as a mix of ``WxH``, or one such mix per video format (``{"vp9/webm": {...}}``,
+    as calibration fits them: a set's MJPEG clips need not share its VP9 clips' sizes)."""
     video_fps: Dist = field(default_factory=lambda: Dist.choice([24, 25, 30], [0.3, 0.2, 0.5]))
     video_seconds: Dist = field(default_factory=lambda: Dist.lognormal(8.0, 0.6, 1.0, 60.0))
     video_bits_per_pixel: Dist | dict = field(default_factory=lambda: Dist.lognormal(0.08, 0.5, 0.01, 1.0))

@@ -64,7 +64,7 @@ def draw_video_spec(rng: np.random.Generator, p) -> VideoSpec:
     """A clip's parameters from a profile's video distributions. Always the same draws in the same
     order, so one changed field does not reshuffle the others."""
     fmt = pick(rng, p.video_formats)
-    size = pick(rng, p.video_sizes)
+    size = pick(rng, _of_format(p.video_sizes, fmt))
     fps = p.video_fps.sample(rng)
     seconds = p.video_seconds.sample(rng)
     bpp = _of_format(p.video_bits_per_pixel, fmt).sample(rng)
@@ -75,11 +75,12 @@ def draw_video_spec(rng: np.random.Generator, p) -> VideoSpec:
     return VideoSpec(fmt, w, h, float(fps), frames, bpp * w * h * fps, max(1, round(gop_s * fps)))
 
 
-def _of_format(dist, fmt: str):
-    """A per-format distribution's entry for ``fmt`` (the first one for a format it lacks)."""
-    if isinstance(dist, dict):
-        return dist.get(fmt) or next(iter(dist.values()))
-    return dist
+def _of_format(field, fmt: str):
+    """A per-format field's entry for ``fmt`` (the first one for a format it lacks); a field that is
+    not per format (keys are formats, ``codec/extension``) as it is."""
+    if isinstance(field, dict) and any("/" in k for k in field):
+        return field.get(fmt) or next(iter(field.values()))
+    return field
 
 
 @functools.lru_cache(maxsize=1)
@@ -206,11 +207,8 @@ def _mjpeg_quantizer(spec: VideoSpec, frame) -> int:
 
 def fit_sizes(records: list[dict]) -> dict[str, float]:
     """Frame sizes as a mix of ``WxH`` (video sizes are a few standard ones, not a continuum)."""
-    out: dict[str, float] = {}
-    for r in records:
-        key = f"{r['w']}x{r['h']}"
-        out[key] = out.get(key, 0) + 1 / len(records)
-    return dict(sorted(out.items()))
+    keys = [f"{r['w']}x{r['h']}" for r in records]
+    return {k: keys.count(k) / len(keys) for k in sorted(set(keys))}
 
 
 def mean_or_none(values) -> float | None:
