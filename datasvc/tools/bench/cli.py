@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return int(importlib.import_module(PEERS_MODULE).main(argv[1:]) or 0)
-    if argv[:1] in (["balance"], ["isolation"]):  # benches with options of their own
+    if argv[:1] in (["balance"], ["isolation"], ["planning"]):  # benches with options of their own
         import importlib
 
         return int(importlib.import_module(f"datasvc.tools.bench.{argv[0]}").main(argv[1:]) or 0)
