@@ -18,7 +18,7 @@ from datasvc.decode import DecodeJob, Decoder, probe
 from datasvc.filters import SampleRules
 from datasvc.registry import Pipeline
 from datasvc.rejects import Accounting
-from datasvc.shards import ReadLimits, SampleIndex, read_samples
+from datasvc.shards import ReadLimits, SampleIndex, read_samples, why_no_text
 from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where callers looked for it)
 from datasvc.text import SampleRejected
 from datasvc.video import plan_video
@@ -79,7 +79,7 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
     problems: list[tuple | None] = [(raw.problem, raw.detail, "read") if raw.problem else None for raw in raws]
     for si, raw in enumerate(raws):
         if problems[si] is None and raw.text is None and raw.conversation is None:
-            problems[si] = ("missing_text", "no txt or json member", "read")
+            problems[si] = ("missing_text", why_no_text(raw), "read")
         elif problems[si] is None and rules and (broken := rules.check(raw)):
             problems[si] = (broken, "", "read")
     jobs = _probe_samples(raws, problems, spec, times)

@@ -274,6 +274,14 @@ class RawSample:
     videos: list[tuple[str, bytes]] = field(default_factory=list)  # (ext, bytes) in member-name order
 
 
+def why_no_text(raw: RawSample) -> str:
+    """The ``missing_text`` detail: no text member at all, or a JSON member that says nothing usable."""
+    if raw.metadata:
+        keys = sorted(map(str, raw.metadata))
+        return f"json member holds no caption text or conversation (keys: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''})"
+    return "no txt or json member"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReadLimits:
     max_images_per_sample: int = 64

@@ -64,13 +64,13 @@ class HeaderProcessor:
 
     def __call__(self, item: WorkItem) -> ItemResult:
         from datasvc.process import encode_from_headers
-        from datasvc.shards import read_samples
+        from datasvc.shards import read_samples, why_no_text
 
         acct, out = Accounting(), []
         for raw in read_samples(item.shard, list(item.samples), self.limits):
             acct.read += 1
             if not raw.problem and raw.text is None and raw.conversation is None:
-                acct.reject(raw.shard, raw.key, "missing_text", "no txt or json member")
+                acct.reject(raw.shard, raw.key, "missing_text", why_no_text(raw))
                 continue
             broken = self.rules.check(raw) if self.rules and not raw.problem else None
             if broken:

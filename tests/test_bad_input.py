@@ -82,6 +82,7 @@ def hostile_shard(tmp_path):
             {"role": "user", "content": "<image><image> two markers, one image"},
             {"role": "assistant", "content": "mismatch"}]}).encode()),
         ("badjson.jpg", photo), ("badjson.json", b"{not json"),
+        ("nocaption.jpg", photo), ("nocaption.json", json.dumps({"caption": 5, "url": "x"}).encode()),
         ("huge.jpg", photo), ("huge.txt", b"word " * 300000),
         ("unknown.jpg", photo), ("unknown.txt", b"has an unknown member"), ("unknown.xyz", b"??"),
         *good("ok_2"),
@@ -105,7 +106,7 @@ EXPECTED = {
     "zero": "empty_image", "random": "undecodable_image", "psd": "unsupported_format", "notext": "missing_text",
     "latin1": "text_not_utf8", "wide": "aspect_ratio", "bomb": "too_many_pixels",
     "../escape": "unsafe_member_name", "/abs/olute": "unsafe_member_name",
-    "convo": "image_count_mismatch", "badjson": "bad_json", "huge": "text_too_long",
+    "convo": "image_count_mismatch", "badjson": "bad_json", "nocaption": "missing_text", "huge": "text_too_long",
     "many": "too_many_images", "hugejpeg": "too_many_pixels",
 }
 
@@ -117,6 +118,8 @@ def test_hostile_shard_is_counted_not_crashed(hostile_shard, qwen3vl, cpu_decode
     acct = res.accounting
     acct.delivered = len(res.samples)
     reasons = {r.key: r.reason for r in acct.log}
+    details = {r.key: r.detail for r in acct.log}
+    assert details["notext"] == "no txt or json member" and "keys: caption, url" in details["nocaption"]
     for key, reason in EXPECTED.items():
         allowed = reason if isinstance(reason, set) else {reason}
         assert reasons.get(key) in allowed, (key, reasons.get(key))
