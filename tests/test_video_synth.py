@@ -172,3 +172,14 @@ def test_calibrated_synthetic_videos_cost_what_the_real_ones_cost(tmp_path, real
     assert 0.6 < synth["ratio"]["cpu_ms_per_frame"] < 1.6
     table = video_cost_table(cost)
     assert "dec+resize CPU ms/frame" in table and "x)" in table
+
+
+def test_video_shards_repeat_byte_for_byte(tmp_path):
+    """Equal arguments, equal bytes (bitexact muxers, one encoder thread) for VP9, VP8 and MJPEG; the
+    package's H.264 clips are the exception (x264's rate control varies from run to run here)."""
+    import hashlib
+
+    p = dataclasses.replace(PROFILES["video-clips"], video_sizes={"128x96": 1.0}, video_seconds=Dist.choice([1.0]),
+                            video_formats={"vp9/webm": 0.4, "vp8/webm": 0.3, "mjpeg/mkv": 0.3})
+    digest = lambda d: hashlib.sha256(open(write_shards(tmp_path / d, 4, p, seed=3, progress=False)[0], "rb").read())  # noqa: E731
+    assert digest("a").digest() == digest("b").digest()

@@ -9,15 +9,16 @@ photos filmed by a virtual camera and encoded by FFmpeg's encoders at the data's
 rates, sizes, codecs, bitrates and keyframe intervals. ``--mock`` writes the image-free variant with
 the identical text, so the two can be compared head to head.
 
-A :class:`Profile` is a set of distributions. Three are built in (:data:`PROFILES`); ``calibrate``
+A :class:`Profile` is a set of distributions. Four are built in (:data:`PROFILES`); ``calibrate``
 fits one to real shards from headers and sizes only (no pixel decode, no model, nothing unpickled).
 
 Output layout (WebDataset): ``DIR/synth-000000.tar``, ... Each sample has ``__key__``, its
 image(s) as ``jpg``/``png`` (several images: ``0.jpg``, ``1.png``, ... in order), its video(s) as
 ``webm``/``mp4``/``mkv``/``mov`` (``0.webm``, ...), and either ``txt`` (a caption) or ``json`` (a
 single-turn conversation whose user turn holds one ``<image>`` marker per image, then one ``<video>``
-per video, each taken in key order). Output is byte-identical for identical arguments: every sample
-draws from its own random stream seeded by ``(seed, sample index)``.
+per video, each taken in key order). Output is byte-identical for identical arguments (H.264 clips
+excepted: x264's rate control varies from run to run): every sample draws from its own random
+stream seeded by ``(seed, sample index)``.
 
 - ``dist``: distributions and profiles; ``text``: captions and conversations; ``images``: natural
   scenes and their encoding; ``documents``: pages and screenshots; ``videos``: clips and their

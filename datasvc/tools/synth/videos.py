@@ -130,7 +130,8 @@ def _encode(spec: VideoSpec, frame, rate: float, frames: int | None = None) -> b
 
     n = spec.frames if frames is None else frames
     buf = io.BytesIO()
-    with av.open(buf, "w", format=CONTAINERS[spec.ext]) as c:
+    # bitexact: no muxer UIDs, dates or encoder version strings, so equal arguments give equal bytes
+    with av.open(buf, "w", format=CONTAINERS[spec.ext], options={"fflags": "+bitexact"}) as c:
         s = c.add_stream(ENCODERS[spec.codec], rate=_rate(spec.fps))
         s.width, s.height = spec.width, spec.height
         s.pix_fmt = "yuvj420p" if spec.codec == "mjpeg" else "yuv420p"
@@ -141,9 +142,14 @@ def _encode(spec: VideoSpec, frame, rate: float, frames: int | None = None) -> b
         else:
             s.bit_rate = int(rate)
             cc.gop_size = spec.gop
-        s.options = _encoder_options(spec)
+        s.options = {"flags": "+bitexact", **_encoder_options(spec)}
+        cc.thread_count = 1  # threaded VP8, AV1 and H.264 encoders vary from run to run
+        tick = 1 / _rate(spec.fps)  # one frame
         for k in range(n):
-            for p in s.encode(av.VideoFrame.from_ndarray(frame(k), format="rgb24")):
+            vf = av.VideoFrame.from_ndarray(frame(k), format="rgb24")
+            # Explicit timestamps: x264's rate control reads them, and left unset they vary
+            vf.pts, vf.time_base = k, tick
+            for p in s.encode(vf):
                 c.mux(p)
         for p in s.encode():
             c.mux(p)
@@ -162,11 +168,11 @@ def _encoder_options(spec: VideoSpec) -> dict:
     if spec.codec in ("vp8", "vp9"):
         return {"deadline": "realtime", "cpu-used": "8"}
     if spec.codec == "h264":
-        return {"preset": "veryfast", "sc_threshold": "0"}
+        return {"preset": "veryfast", "x264-params": "threads=1:lookahead-threads=1"}  # repeatable
     if spec.codec == "hevc":
         return {"preset": "ultrafast", "x265-params": f"keyint={spec.gop}:min-keyint={spec.gop}:log-level=error"}
     if spec.codec == "av1":
-        return {"preset": "12", "svtav1-params": "enable-overlays=0"}
+        return {"preset": "12", "svtav1-params": "enable-overlays=0:lp=1"}
     return {}
 
 
