@@ -121,18 +121,19 @@ def _torchvision(clip: dict, wanted: list[int]) -> int:  # pragma: no cover - bu
 
 
 def _contenders() -> tuple[dict, dict]:
-    """(name -> (decode function, codecs it takes or None for all)), (name -> why it is absent)."""
-    from datasvc.video import CPU_CODECS, GPU_CODECS
+    """(name -> (decode function, which headers it takes)), (name -> why it is absent)."""
+    from datasvc.video import CPU_CODECS
     from datasvc.videodecode import VideoDecoder
 
-    found = {"dali_cpu": (_dali(VideoDecoder(device_id=None, num_threads=1, max_batch=1)), CPU_CODECS),
-             "pyav": (_pyav, None)}
+    found = {"dali_cpu": (_dali(VideoDecoder(device_id=None, num_threads=1, max_batch=1)),
+                          lambda h: h.codec in CPU_CODECS),
+             "pyav": (_pyav, lambda h: True)}
     absent = {}
     reason = _torchvision_reason()
     if reason:
         absent["torchvision"] = reason
     else:
-        found["torchvision"] = (_torchvision, None)
+        found["torchvision"] = (_torchvision, lambda h: True)
     try:
         import torch
 
@@ -140,7 +141,9 @@ def _contenders() -> tuple[dict, dict]:
     except ImportError:
         cuda = False
     if cuda:
-        found["dali_gpu"] = (_dali(VideoDecoder(device_id=0, num_threads=1, max_batch=1)), tuple(GPU_CODECS))
+        gpu = VideoDecoder(device_id=0, num_threads=1, max_batch=1)
+        # only what NVDEC itself decodes: the GPU decoder hands MJPEG and small clips to its CPU backend
+        found["dali_gpu"] = (_dali(gpu), lambda h: gpu.route(h) == "gpu")
     else:
         absent["dali_gpu"] = "no CUDA device"
     return found, absent
@@ -183,7 +186,7 @@ def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float =
                 wanted = _frames(clip, mode, spec)
                 row = {"format": clip["fmt"], "size": clip["size"], "mode": mode, "frames_wanted": len(wanted),
                        "results": {}}
-                able = {n: fn for n, (fn, codecs) in found.items() if codecs is None or clip["header"].codec in codecs}
+                able = {n: fn for n, (fn, takes) in found.items() if takes(clip["header"])}
                 row["results"] = _time_row(able, clip, wanted, repeats)
                 _ratios(row)
                 rows.append(row)
