@@ -107,7 +107,8 @@ def _camera(rng: np.random.Generator, spec: VideoSpec):
     z0, z1 = rng.uniform(0.55, 0.95, 2)
     (x0, y0), (x1, y1) = rng.random(2), rng.random(2)
     noise = float(rng.uniform(0.5, 2.5))
-    seed = int(rng.integers(2**31))
+    seed = int(rng.integers(2**30))
+    grain = np.empty((spec.height, spec.width), np.float32)
 
     def frame(k: int) -> np.ndarray:
         s = k / max(1, spec.frames - 1)
@@ -118,7 +119,8 @@ def _camera(rng: np.random.Generator, spec: VideoSpec):
         m = np.float32([[cw / spec.width, 0, cx], [0, ch / spec.height, cy]])
         img = cv2.warpAffine(photo, m, (spec.width, spec.height), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
                              borderMode=cv2.BORDER_REFLECT)
-        grain = np.random.default_rng([seed, k]).normal(0, noise, img.shape[:2]).astype(np.float32)
+        cv2.setRNGSeed(seed + k)  # OpenCV's generator: a fifth of numpy's cost per frame, as repeatable
+        cv2.randn(grain, 0.0, noise)
         return cv2.add(img, cv2.merge([grain, grain, grain]), dtype=cv2.CV_8U)
 
     return frame
