@@ -134,6 +134,24 @@ def test_bad_block_options_fail_before_ray_starts(flag):
         main(["qwen3vl", flag, "0", "--address", "ray://nowhere.invalid:1"])
 
 
+@pytest.mark.parametrize("flag", ["--video-fps", "--video-max-pixels"])
+def test_bad_video_options_fail_before_ray_starts(flag):
+    from trainer.run import main
+
+    with pytest.raises(SystemExit, match="--video-fps and --video-max-pixels must be > 0"):
+        main(["qwen3vl", flag, "0", "--address", "ray://nowhere.invalid:1"])
+
+
+def test_video_options_reach_the_pipeline():
+    from datasvc.registry import get_pipeline
+    from trainer.job import pipeline_options
+    from trainer.run import parse_args
+
+    args = parse_args(["qwen3vl", "--video-fps", "1", "--video-max-pixels", str(2 ** 20)])
+    video = get_pipeline("qwen3vl", **pipeline_options(args, "cpu")).video
+    assert (video.fps, video.max_pixels) == (1.0, 2 ** 20)
+
+
 def test_gpu_decode_shares_never_overcommit_a_gpu():
     import pytest
 

@@ -54,6 +54,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="preprocessing actors per DP rank (autoscaled between)")
     g.add_argument("--max-pixels", type=int, default=None, help="image pixel cap (default: 1 MP on GPU, 64K on CPU)")
     g.add_argument("--min-pixels", type=int, default=None)
+    g.add_argument("--video-fps", type=float, default=None, help="frames sampled a second of video (default: the pipeline's, 2)")
+    g.add_argument("--video-max-pixels", type=int, default=None,
+                   help="cap on frames x height x width of one video (default: the pipeline's)")
     g.add_argument("--data-seed", type=int, default=0)
     g.add_argument("--items-per-block", type=int, default=None,
                    help="work items packed together (default: sized from the shards to fill --block-micro-batches)")
@@ -134,6 +137,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.block_micro_batches < 1 or args.chain_blocks < 1 or (
             args.items_per_block is not None and args.items_per_block < 1):
         raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
+    if (args.video_fps is not None and args.video_fps <= 0) or (
+            args.video_max_pixels is not None and args.video_max_pixels <= 0):
+        raise SystemExit("--video-fps and --video-max-pixels must be > 0 (leave them out for the pipeline's own)")
 
 
 def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
@@ -205,6 +211,10 @@ def pipeline_options(args: argparse.Namespace, backend: str) -> dict:
     default_min = get_layout(args.pipeline).vision.min_pixels
     if args.min_pixels or opts["max_pixels"] < default_min:
         opts["min_pixels"] = args.min_pixels or min(default_min, opts["max_pixels"])
+    if args.video_fps is not None:
+        opts["video_fps"] = args.video_fps
+    if args.video_max_pixels is not None:
+        opts["video_max_pixels"] = args.video_max_pixels
     return opts
 
 
