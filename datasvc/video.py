@@ -1,5 +1,6 @@
 """Video samples: probe the container, choose frames the way the model's processor does, decode
-only those with DALI (CPU or NVDEC through the mixed backend), resize each to the grid's size.
+only those with DALI (CPU or NVDEC through the mixed backend), or with FFmpeg through PyAV where
+no DALI backend here takes the video, resize each to the grid's size.
 
 Stages, as for images: ``probe_video`` reads the container's headers and demuxes packets (no frame
 is decoded) for codec, size, frame count, frame rate and whether the rate is constant;
@@ -25,7 +26,8 @@ from datasvc.vision import ImageRejected, VisionSpec
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov")
 KNOWN_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mjpeg", "mpeg4")
 CPU_CODECS = ("vp8", "vp9", "mjpeg")
-"""What DALI's CPU video decoder takes (libavcodec)."""
+"""What DALI's CPU video decoder takes (libavcodec); on a CPU machine the other codecs are decoded
+by PyAV (``datasvc.videodecode``)."""
 VIDEO_STAGES = ("video_decode", "video_preprocess")
 """Stage timers counted per decoded frame; the same seconds are in ``decode`` and ``preprocess``."""
 GPU_CODECS = {"h264": (48, 16), "hevc": (144, 144), "vp8": (48, 16), "vp9": (128, 128), "av1": (128, 128),

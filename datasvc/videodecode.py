@@ -1,8 +1,11 @@
-"""DALI's video decoders (CPU, and NVDEC through the mixed backend) over planned videos, and the
-decode of a work item's videos (``decode_sample_videos``): what ``datasvc.video`` plans, decoded.
+"""DALI's video decoders (CPU, and NVDEC through the mixed backend) over planned videos, FFmpeg's
+(PyAV) for what neither DALI backend here takes, and the decode of a work item's videos
+(``decode_sample_videos``): what ``datasvc.video`` plans, decoded.
 """
 from __future__ import annotations
 
+import functools
+import io
 import threading
 import time
 
@@ -80,32 +83,125 @@ class _DaliVideo:
         return ImageRejected("video_corrupt", detail)
 
 
-class VideoDecoder:
-    """DALI's video decoder over in-memory containers, fed each video's planned frame indices (it
-    seeks to the keyframe before each run of frames instead of decoding the whole stream).
+_PYAV_DECODERS = {"av1": ("libdav1d", "libaom-av1")}
+"""Decoders to look for per codec where FFmpeg's own one is not a software decoder (its native AV1
+decoder needs a hardware accelerator); any other codec is looked up by its name."""
 
-    ``device_id=None``: the CPU backend (libavcodec: VP8, VP9, MJPEG; other codecs are rejected
-    ``video_codec_needs_gpu``). A device id: the mixed backend (NVDEC) for ``GPU_CODECS``, MJPEG
-    (which NVDEC does not take) on the CPU backend; frames copied to the host for the resize."""
+
+@functools.lru_cache(maxsize=None)
+def pyav_decodes(codec: str) -> bool:
+    """Whether this FFmpeg build (PyAV's) has a software decoder for ``codec``."""
+    try:
+        import av
+    except ImportError:
+        return False
+    for name in _PYAV_DECODERS.get(codec, (codec,)):
+        try:
+            av.Codec(name, "r")
+            return True
+        except Exception:  # UnknownCodecError, or a name that is only an encoder here
+            continue
+    return False
+
+
+class _PyAVVideo:
+    """FFmpeg's decoders through PyAV, one thread, for videos no DALI backend here takes: the same
+    frames (presentation order, as DALI's ``frames`` indices mean them) as uint8 RGB as stored.
+
+    The container is demuxed once (no decode) to number the frames by sorted pts, as DALI indexes
+    them; decoding starts at the last keyframe at or before the first wanted frame and stops after
+    the last one. If that start misses a wanted frame (a stream whose keyframe flags or timestamps
+    cannot be trusted), the video is decoded again from its first packet, counting frames in
+    output order where it has no timestamps: correctness before speed."""
+
+    def decode(self, plans: list[VideoPlan]) -> list[np.ndarray | ImageRejected]:
+        return [self._one(plan) for plan in plans]
+
+    @staticmethod
+    def _one(plan: VideoPlan) -> np.ndarray | ImageRejected:
+        wanted = set(plan.indices)
+        try:
+            got, total, seeked = _pyav_frames(plan.data, wanted, from_start=False)
+            if len(got) < len(wanted) and seeked:
+                got, total, _ = _pyav_frames(plan.data, wanted, from_start=True)
+            if len(got) < len(wanted):
+                missing = sorted(wanted - got.keys())
+                return ImageRejected("video_truncated", f"decoded {len(got)} of {len(wanted)} planned frames; "
+                                     f"frame {missing[0]} is not among the stream's {total}")
+            return np.stack([got[i] for i in plan.indices])
+        except Exception as exc:  # whatever FFmpeg makes of bad bytes, it costs this video alone
+            return ImageRejected("video_corrupt", f"{type(exc).__name__}: {exc}"[:200])
+
+
+def _pyav_frames(data: bytes, wanted: set[int], from_start: bool) -> tuple[dict[int, np.ndarray], int, bool]:
+    """({index: RGB frame} of the wanted frames decoded, frames in the stream, whether it seeked)."""
+    import av
+    from av.video.reformatter import Interpolation
+
+    # DALI's CPU backend converts with swscale's bilinear full-chroma, accurately rounded path;
+    # the same flags give its frames bit for bit (FFmpeg's fast default differs by ~2/255 on
+    # average, up to 37 at colour edges). One swscale thread: the actor owns one core.
+    convert = {"format": "rgb24", "interpolation": Interpolation.BILINEAR | Interpolation.FULL_CHR_H_INT
+               | Interpolation.ACCURATE_RND, "threads": 1}
+    last, got = max(wanted), {}
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.thread_count = 1  # the actor owns one core; no frame threads, no added frame delay
+        packets = [p for p in container.demux(stream) if p.size > 0]
+        stamps = [p.pts for p in packets]
+        rank = ({pts: i for i, pts in enumerate(sorted(stamps))}
+                if None not in stamps and len(set(stamps)) == len(stamps) else None)
+        start = 0
+        if rank and not from_start:
+            first = sorted(stamps)[min(min(wanted), len(stamps) - 1)]
+            start = max((k for k, p in enumerate(packets) if p.is_keyframe and p.pts <= first), default=0)
+        count = 0
+        for packet in [*packets[start:], None]:  # None drains the frames the decoder still holds
+            for frame in stream.codec_context.decode(packet):
+                i = rank.get(frame.pts, -1) if rank is not None else count
+                count += 1
+                if i in wanted and i not in got:
+                    got[i] = frame.reformat(**convert).to_ndarray()
+            if len(got) == len(wanted) or (rank is None and count > last):
+                break
+    return got, len(packets), start > 0
+
+class VideoDecoder:
+    """Planned videos decoded to their frames: by DALI wherever one of its backends takes the
+    video, by FFmpeg through PyAV where none does. DALI is fed whole containers and each video's
+    planned frame indices (it seeks to the keyframe before each run of frames instead of decoding
+    the whole stream).
+
+    ``device_id=None``: DALI's CPU backend for VP8, VP9 and MJPEG; PyAV for H.264, HEVC, AV1 and
+    MPEG-4 part 2, which that backend refuses. A device id: the mixed backend (NVDEC) for
+    ``GPU_CODECS`` at NVDEC's sizes; MJPEG (which NVDEC does not take) and videos under NVDEC's
+    smallest size on the CPU backend when their codec is in ``CPU_CODECS``, else on PyAV; frames
+    copied to the host for the resize. A codec neither takes is rejected ``video_codec_needs_gpu``
+    (on a GPU machine, ``video_too_small_for_nvdec``)."""
 
     def __init__(self, device_id: int | None = None, num_threads: int = 1, max_batch: int = 4):
         self.device_id, self.num_threads, self.max_batch = device_id, num_threads, max_batch
         self.name = "cpu" if device_id is None else "gpu"
-        self._backends: dict[str, _DaliVideo] = {}
+        self._backends: dict[str, _DaliVideo | _PyAVVideo] = {}
         self._backend("cpu" if device_id is None else "gpu")  # fail fast on a missing DALI or device
 
-    def _backend(self, kind: str) -> _DaliVideo:
+    def _backend(self, kind: str) -> _DaliVideo | _PyAVVideo:
+        if kind == "pyav":
+            return self._backends.setdefault(kind, _PyAVVideo())
         if kind not in self._backends:
             device = None if kind == "cpu" else self.device_id
             self._backends[kind] = _DaliVideo(device, self.num_threads, self.max_batch)
         return self._backends[kind]
 
     def route(self, header: VideoHeader) -> str | None:
-        """Which backend decodes this video here: ``gpu``, ``cpu`` or None (none can)."""
+        """Which backend decodes this video here: ``gpu`` (NVDEC), ``cpu`` (DALI's CPU backend),
+        ``pyav`` (FFmpeg, where no DALI backend takes it) or None (none can)."""
         least = GPU_CODECS.get(header.codec)
         if self.device_id is not None and least and header.width >= least[0] and header.height >= least[1]:
             return "gpu"
-        return "cpu" if header.codec in CPU_CODECS else None
+        if header.codec in CPU_CODECS:
+            return "cpu"
+        return "pyav" if pyav_decodes(header.codec) else None
 
     def decode_frames(self, plans: list[VideoPlan]) -> list[np.ndarray | ImageRejected]:
         """The planned frames [F, H, W, 3] uint8 of each video as stored, or why it failed."""
@@ -116,10 +212,11 @@ class VideoDecoder:
             if kind is None and self.device_id is not None:
                 h = plan.header
                 results[i] = ImageRejected("video_too_small_for_nvdec", f"{h.codec} {h.width}x{h.height} is under "
-                                           f"NVDEC's {'x'.join(map(str, GPU_CODECS[h.codec]))}")
+                                           f"NVDEC's {'x'.join(map(str, GPU_CODECS[h.codec]))}, and this FFmpeg build "
+                                           "has no decoder for it")
             elif kind is None:
-                results[i] = ImageRejected("video_codec_needs_gpu",
-                                           f"{plan.header.codec}: the CPU decoder takes {', '.join(CPU_CODECS)}")
+                results[i] = ImageRejected("video_codec_needs_gpu", f"{plan.header.codec}: neither DALI's CPU decoder "
+                                           f"({', '.join(CPU_CODECS)}) nor this FFmpeg build decodes it")
             else:
                 by_backend.setdefault(kind, []).append(i)
         for kind, idx in by_backend.items():

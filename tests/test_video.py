@@ -304,7 +304,7 @@ def test_video_shards_become_samples_and_bad_videos_are_counted(tmp_path, clips,
         ("audio.webm", audio_only()), ("audio.txt", b"sound only"),
         ("ffv1.mkv", encode_clip(pan_zoom(astro, 4, (64, 64)), fps=4, codec="ffv1", fmt="matroska")),
         ("ffv1.txt", b"a codec no decoder here takes"),
-        ("h264.mp4", clips["h264"]), ("h264.txt", b"H.264 needs NVDEC"),
+        ("h264.mp4", clips["h264"]), ("h264.txt", b"H.264, which DALI decodes on NVDEC only: PyAV here"),
         ("vfr.mkv", vfr), ("vfr.txt", b"frames at irregular times"),
         ("rotated.mp4", encode_clip(pan_zoom(astro, 8, (96, 128)), fps=8, codec="libx264", fmt="mp4", rotation=90)),
         ("rotated.txt", b"a display matrix"),
@@ -313,11 +313,12 @@ def test_video_shards_become_samples_and_bad_videos_are_counted(tmp_path, clips,
     res, reasons = _run(write_tar(tmp_path / "videos.tar", members), qwen3vl, cpu_decoder)
     assert reasons == {"empty": "video_empty", "cut": "video_truncated", "cutwebm": "video_truncated",
                        "junk": "video_corrupt", "audio": "video_no_video_stream",
-                       "ffv1": "video_unsupported_codec", "h264": "video_codec_needs_gpu",
+                       "ffv1": "video_unsupported_codec",
                        "vfr": "video_variable_frame_rate", "count": "video_count_mismatch",
                        "rotated": "video_rotated"}
     by_key = {s.key: s for s in res.samples}
-    assert sorted(by_key) == ["cap", "llava", "mixed"]
+    assert sorted(by_key) == ["cap", "h264", "llava", "mixed"]
+    assert by_key["h264"].video_grid_thw.tolist() == [[2, 10, 14]]
     assert by_key["cap"].video_grid_thw.tolist() == [[3, 10, 12]] and by_key["cap"].video_pixels.shape == (720, 768)
     mixed = by_key["mixed"]
     assert len(mixed.image_grid_thw) == 1 and mixed.video_grid_thw.tolist() == [[2, 10, 14]]

@@ -7,6 +7,8 @@ bits per pixel. Each contender decodes them to RGB uint8 frames on one thread:
 - ``dali_cpu``: DALI's CPU video decoder as the actors run it (``datasvc.videodecode``: whole
   containers in, the frame indices wanted; VP8, VP9 and MJPEG only);
 - ``pyav``: PyAV (FFmpeg's libavcodec), packets decoded in order, frames converted to RGB;
+- ``pyav_backend``: the actors' PyAV backend (``datasvc.videodecode``, for what no DALI backend
+  takes): decode from the keyframe before the first wanted frame, RGB converted as DALI converts;
 - ``torchvision``: its video decoder, where this torch build has one (0.22+ moved it to torchcodec);
 - ``dali_gpu``: DALI's mixed backend (NVDEC), when a CUDA device is present.
 
@@ -90,6 +92,18 @@ def _dali(decoder):
     return run
 
 
+def _pyav_backend(clip: dict, wanted: list[int]) -> int:
+    from datasvc.video import VideoPlan
+    from datasvc.videodecode import _PyAVVideo
+    from datasvc.vision import ImageRejected
+
+    h = clip["header"]
+    (frames,) = _PyAVVideo().decode([VideoPlan(clip["data"], h, tuple(wanted), (h.height, h.width), (1, 1, 1), ())])
+    if isinstance(frames, ImageRejected):
+        raise frames
+    return int(frames.shape[0])
+
+
 def _torchvision_reason() -> str | None:
     """None when torchvision can decode video here, else why not."""
     try:
@@ -127,7 +141,7 @@ def _contenders() -> tuple[dict, dict]:
 
     found = {"dali_cpu": (_dali(VideoDecoder(device_id=None, num_threads=1, max_batch=1)),
                           lambda h: h.codec in CPU_CODECS),
-             "pyav": (_pyav, lambda h: True)}
+             "pyav": (_pyav, lambda h: True), "pyav_backend": (_pyav_backend, lambda h: True)}
     absent = {}
     reason = _torchvision_reason()
     if reason:
