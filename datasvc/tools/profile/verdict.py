@@ -100,8 +100,8 @@ def video_verdict(run: dict, bound: str) -> dict | None:
         fixes.append("lower the video pixel cap (--video-max-pixels)")
     needs_gpu = sum(run.get("rejected", {}).get(r, 0) for r in _GPU_ONLY)
     if needs_gpu:
-        fixes.append(f"{needs_gpu} sample(s) were rejected video_codec_needs_gpu: the CPU decoder takes "
-                     "VP8, VP9 and MJPEG only, --decode gpu takes them")
+        fixes.append(f"{needs_gpu} sample(s) were rejected video_codec_needs_gpu: neither DALI's CPU decoder nor "
+                     "this FFmpeg build decodes their codec; --decode gpu (NVDEC) may")
     token_share = vid.get("video_token_share") or 0.0
     text = (f"video-heavy ({100 * token_share:.0f}% of vision tokens from video, "
             f"{_ms(vid.get('decode_ms_per_frame'))} ms decode + {_ms(vid.get('preprocess_ms_per_frame'))} ms resize "
