@@ -279,7 +279,8 @@ class ItemProcessor:
         from datasvc.registry import get_pipeline
 
         self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
-        self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id)
+        self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id,
+                                    jpeg=cfg.cpu_jpeg_decoder)
         self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
         self.rules = SampleRules.parse(cfg.filters)
         self.budget = cfg.decoded_bytes_budget

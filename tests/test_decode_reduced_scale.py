@@ -155,3 +155,25 @@ def test_rows_do_not_alias_the_decoders_buffer(jpeg):
 def test_bad_option_is_refused():
     with pytest.raises(ValueError, match="libjpeg-turbo"):
         CpuDecoder(jpeg="turbo")
+
+
+def test_the_option_reaches_the_actors_from_the_config(photo_shards):
+    from datasvc.config import ServiceConfig
+    from datasvc.process import ItemProcessor, WorkItem
+    from datasvc.shards import index_shard
+
+    idx = index_shard(photo_shards[0])
+    item = WorkItem(idx.path, 0, tuple(idx.samples))
+    out = {}
+    for jpeg in ("dali", "libjpeg-turbo"):
+        proc = ItemProcessor(ServiceConfig(shards=(photo_shards[0],), cpu_jpeg_decoder=jpeg,
+                                           pipeline_options={"max_pixels": 256 * 256}), device_id=None)
+        assert proc.decoder.jpeg == jpeg
+        out[jpeg] = {s.key: s for s in proc(item).samples}
+    assert out["dali"].keys() == out["libjpeg-turbo"].keys() and out["dali"]
+    for key, s in out["dali"].items():
+        t = out["libjpeg-turbo"][key]
+        assert np.array_equal(s.input_ids, t.input_ids) and np.array_equal(s.image_grid_thw, t.image_grid_thw)
+        assert np.abs(s.pixels.astype(np.float32) - t.pixels).mean() / 255 < MAX_MAD
+    with pytest.raises(ValueError, match="cpu_jpeg_decoder='turbo': use 'dali' or 'libjpeg-turbo'"):
+        ServiceConfig(shards=(photo_shards[0],), cpu_jpeg_decoder="turbo")

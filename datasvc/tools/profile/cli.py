@@ -56,6 +56,8 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--mbs", type=_ints, default=[1, 2, 4, 8], help="micro-batch sizes, comma separated")
     ap.add_argument("--decode", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--cpu-jpeg-decoder", choices=("dali", "libjpeg-turbo"), default="dali",
+                    help="with --decode cpu: libjpeg-turbo decodes JPEGs at a reduced DCT scale")
     ap.add_argument("--actors", type=_ints, default=[1, 2], help="preprocessing actors per DP rank, comma separated")
     ap.add_argument("--threads", type=int, default=1, help="decode threads (CPUs) per actor")
     amount = ap.add_mutually_exclusive_group()
@@ -124,7 +126,7 @@ def _parser(mode: str) -> argparse.ArgumentParser:
 
 def _settings(args, shards) -> Settings:
     return Settings(shards=shards, pipeline=args.pipeline, seq_len=args.seq_len, mbs=args.mbs, decode=args.decode,
-                    actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
+                    cpu_jpeg_decoder=args.cpu_jpeg_decoder, actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
                     max_pixels=args.max_pixels, video_fps=args.video_fps, video_max_pixels=args.video_max_pixels,
                     samples_per_item=args.samples_per_item,
                     filters=filters_from_flags(args), blend=args.blend,

@@ -28,6 +28,7 @@ class Settings:
     seq_len: int = 4096
     mbs: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     decode: str = "cpu"
+    cpu_jpeg_decoder: str = "dali"
     actors: list[int] = field(default_factory=lambda: [1, 2])
     threads: int = 1
     samples: int | None = None
@@ -90,7 +91,7 @@ class Settings:
 
         cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=self.pipeline_options(),
                             seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
-                            decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
+                            cpu_jpeg_decoder=self.cpu_jpeg_decoder, decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
                             autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
                             items_per_block=self.items_per_block or 1, seed=self.seed, blocks_span_epochs=True,
                             chain_blocks=self.chain_blocks or TRAINING_CHAIN_BLOCKS, filters=tuple(self.filters),
