@@ -6,7 +6,7 @@ the same files; a backend's ``to_pixel_rows`` decodes the stored frame, resizes 
 smart-resize target, applies the header's orientation and returns the image's uint8
 ``vision.pixel_rows``. Patch order is the consumer's job (``vision.to_pixel_values``).
 
-The CPU backend resizes with OpenCV, and with torch for shrinks under 0.75x (``datasvc.jpegscale``).
+The CPU backend resizes with OpenCV (``datasvc.jpegscale``: which interpolation where, and why not torch).
 """
 from __future__ import annotations
 

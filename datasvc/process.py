@@ -50,7 +50,8 @@ class ItemResult:
 
 DECODE_BYTES_PER_PIXEL = 10
 """Peak bytes held per source pixel while an image decodes and resizes (the decoded RGB, the
-decoder's copy out, the resize): 9.0 measured on a 16 MP PNG with the CPU decoder."""
+decoder's buffers, the resize): 9.0 measured on a 16 MP PNG with the CPU decoder when it copied
+DALI's output, 6.0 since it resizes from DALI's buffer (4-5 in batches); the budget keeps the margin."""
 
 
 def decoded_bytes(jobs: list[DecodeJob]) -> int:

@@ -156,7 +156,7 @@ def test_samples_that_kill_their_actor_are_quarantined_and_the_stream_goes_on(tm
     as the kernel kills a process over its cgroup's limit. Both are found and quarantined as
     worker_died; every other sample is delivered."""
     samples = [(f"k{i}", [photos[i % len(photos)]]) for i in range(8)]
-    samples[5] = ("k5", [big_png(3000, s) for s in range(3)])  # ~3 x 27 MB decoded, and the decoder's copies
+    samples[5] = ("k5", [big_png(4000, s) for s in range(4)])  # 4 x 48 MB decoded: ~240 MiB at 4-6 bytes a pixel
     shard = write_shard(tmp_path / "s.tar", samples)
     faults = {"kill_on_key": f"{shard}/k1", "rss_headroom_bytes": 150 * MiB}
     got, stats = run(cfg([shard], samples_per_item=2, fault_injection=faults))
@@ -167,13 +167,13 @@ def test_samples_that_kill_their_actor_are_quarantined_and_the_stream_goes_on(tm
 
 
 def test_decoding_stays_under_the_budget_within_a_real_memory_limit(tmp_path, photos, ray_local):
-    """Actors killed once their memory grows 400 MiB: an item of four large images decodes in parts
+    """Actors killed once their memory grows 300 MiB: an item of four large images decodes in parts
     that fit the 200 MiB budget, and a sample that alone would not fit is rejected sample_too_large
     before any of it is decoded; no actor dies. Without the budget the same item kills its actor."""
-    samples = [(f"big{i}", [big_png(3000, i)]) for i in range(4)]
-    samples += [("huge", [big_png(3000, s) for s in range(3)]), ("small", [photos[0]])]
+    samples = [(f"big{i}", [big_png(4000, i)]) for i in range(4)]  # ~100 MiB each to decode and resize
+    samples += [("huge", [big_png(4000, s) for s in range(3)]), ("small", [photos[0]])]
     shard = write_shard(tmp_path / "s.tar", samples)
-    limited = dict(samples_per_item=6, items_per_block=1, fault_injection={"rss_headroom_bytes": 400 * MiB})
+    limited = dict(samples_per_item=6, items_per_block=1, fault_injection={"rss_headroom_bytes": 300 * MiB})
     got, stats = run(cfg([shard], decoded_bytes_budget=200 * MiB, **limited))
     assert got == Counter({f"{shard}/{k}": 1 for k in ("big0", "big1", "big2", "big3", "small")})
     assert rejected(stats) == {"huge": "sample_too_large"}
