@@ -471,6 +471,26 @@ def test_packed_row_matches_samples_alone():
     assert report["ok"], report
 
 
+def test_the_video_proof_row_is_what_bridges_model_takes(mb):
+    """The GPU proof's packed row with video, checked on CPU against the model's own input code:
+    Bridge's reorganizer finds every image and video (per temporal group) in order, and the
+    vision pads equal the patches over the merge window."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import reorganize_inputs
+
+    from trainer.bench.gpu_proof import proof_samples, rows_to_batch
+
+    rng = torch.Generator().manual_seed(7)
+    batch = rows_to_batch([proof_samples(rng, with_video=True)], 4096, torch.device("cpu"), rng)
+    packed = mb.thd.pack_thd(batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"],
+                             batch["num_samples"])
+    positions = mb.thd.mrope_position_ids(packed, batch["image_grid_thw"], 2, batch["video_grid_thw"])
+    assert positions.shape == (3, 1, packed.tokens.shape[1])
+    data, grids, mask = reorganize_inputs(packed.tokens, batch["pixel_values"], batch["pixel_values_videos"],
+                                          batch["image_grid_thw"], batch["video_grid_thw"])
+    assert grids.tolist() == [[1, 28, 28], [1, 12, 12], [4, 16, 16], [1, 32, 20], [2, 20, 12]]
+    assert data.shape[0] == int(grids.prod(-1).sum()) == int(mask.sum()) * 4
+
+
 @needs_bridge
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="builds the Qwen3-VL model: needs a CUDA GPU")
