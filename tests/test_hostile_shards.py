@@ -16,7 +16,7 @@ from PIL import Image
 from datasvc.process import WorkItem, encode_from_headers, process_item
 from datasvc.samples import encode_image, real_photos
 from datasvc.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
-from datasvc.tools.bench.hostile import add, convo, good, header_offset, write_tar
+from datasvc.tools.bench.hostile import add, convo, good, header_offset, write_links, write_tar
 
 
 @pytest.fixture(scope="module")
@@ -226,20 +226,7 @@ def test_concatenated_archives_are_one_shard(tmp_path, photo, qwen3vl, cpu_decod
 
 
 def test_links_hardlinks_resolved_symlinks_rejected(tmp_path, photo, qwen3vl, cpu_decoder):
-    path = str(tmp_path / "links.tar")
-    with tarfile.open(path, "w") as tar:
-        for name, data in good("orig", photo):
-            add(tar, name, data)
-        for kind, key, target in ((tarfile.LNKTYPE, "hard", "orig.jpg"), (tarfile.SYMTYPE, "soft", "orig.jpg"),
-                                  (tarfile.SYMTYPE, "escape", "/etc/passwd"), (tarfile.LNKTYPE, "dangling", "gone.jpg")):
-            info = tarfile.TarInfo(f"{key}.jpg")
-            info.type, info.linkname = kind, target
-            tar.addfile(info)
-            add(tar, f"{key}.txt", b"a linked image")
-        dev = tarfile.TarInfo("fifo.jpg")
-        dev.type = tarfile.FIFOTYPE
-        tar.addfile(dev)
-        add(tar, "fifo.txt", b"a fifo")
+    path = write_links(str(tmp_path / "links.tar"), photo)
     idx, res, reasons, delivered = run(path, qwen3vl, cpu_decoder)
     assert delivered == ["hard", "orig"]
     hard, orig = sorted(res.samples, key=lambda s: s.key)

@@ -44,8 +44,9 @@ def pan_zoom(photo: np.ndarray, frames: int, size: tuple[int, int]) -> list[np.n
 
 
 def encode_clip(frames: list[np.ndarray], fps: int, codec: str = "libvpx-vp9", fmt: str = "webm",
-                pts: list[int] | None = None, rotation: int = 0) -> bytes:
-    """Frames encoded by a real FFmpeg encoder; ``pts`` (in 1/1000 s) for a variable frame rate."""
+                pts: list[int] | None = None, rotation: int = 0, gop: int | None = None) -> bytes:
+    """Frames encoded by a real FFmpeg encoder; ``pts`` (in 1/1000 s) for a variable frame rate;
+    ``gop``: a keyframe every that many frames (and B-frames where the encoder makes them)."""
     from fractions import Fraction
 
     buf = io.BytesIO()
@@ -55,6 +56,12 @@ def encode_clip(frames: list[np.ndarray], fps: int, codec: str = "libvpx-vp9", f
         s.pix_fmt = {"mjpeg": "yuvj420p", "ffv1": "yuv444p"}.get(codec, "yuv420p")
         if codec.startswith("libvpx"):
             s.options = {"deadline": "realtime", "cpu-used": "8"}
+        if gop is not None:
+            s.codec_context.gop_size = gop
+            if codec == "libx265":
+                s.options = {"x265-params": f"keyint={gop}:min-keyint={gop}:log-level=error"}
+            if codec == "libsvtav1":
+                s.options = {"svtav1-params": f"keyint={gop}"}
         if pts is not None:
             s.codec_context.time_base = Fraction(1, 1000)
         if rotation:

@@ -14,7 +14,7 @@ import pytest
 av = pytest.importorskip("av")
 
 from test_video import (CONVERSATION, SPEC, TEMPLATE, VIDEO_PAD, _hf_processor, _llava,  # noqa: E402
-                        _photo, _run, encode_clip, pan_zoom, write_tar)
+                        _photo, _run, encode_clip, pan_zoom, video_decoder, vision, write_tar)
 
 from datasvc.video import VideoHeader, plan_video, to_video_pixel_values  # noqa: E402
 from datasvc.videodecode import VideoDecoder, _pyav_frames, _PyAVVideo, pyav_decodes  # noqa: E402
@@ -23,28 +23,6 @@ from datasvc.vision import ImageRejected  # noqa: E402
 # (encoder, container, the codec the probe reads) for every codec DALI's CPU backend refuses
 REFUSED_BY_DALI_CPU = [("libx264", "mp4", "h264"), ("libx265", "mp4", "hevc"), ("libsvtav1", "mp4", "av1"),
                        ("mpeg4", "mp4", "mpeg4")]
-
-
-def encode_gop(frames: list[np.ndarray], fps: int, codec: str, fmt: str, gop: int) -> bytes:
-    """Frames encoded with a keyframe every ``gop`` frames (and B-frames where the encoder makes
-    them), so that a decode which seeks starts past the first frame."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as c:
-        s = c.add_stream(codec, rate=fps)
-        s.height, s.width = frames[0].shape[:2]
-        s.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
-        s.codec_context.gop_size = gop
-        s.options = {"deadline": "realtime", "cpu-used": "8"} if codec.startswith("libvpx") else {}
-        if codec == "libx265":
-            s.options = {"x265-params": f"keyint={gop}:min-keyint={gop}:log-level=error"}
-        if codec == "libsvtav1":
-            s.options = {"svtav1-params": f"keyint={gop}"}
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
 
 
 def _keyframes(data: bytes) -> list[int]:
@@ -72,48 +50,36 @@ def _index_of(frame: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def vision():
-    from datasvc.vision import VisionSpec
-
-    return VisionSpec()
-
-
-@pytest.fixture(scope="module")
-def cpu_video():
-    return VideoDecoder(device_id=None)
-
-
-@pytest.fixture(scope="module")
 def h264():
     return encode_clip(pan_zoom(_photo("astronaut"), 12, (96, 128)), fps=12, codec="libx264", fmt="mp4")
 
 
 @pytest.mark.parametrize("codec,fmt", [("libvpx-vp9", "webm"), ("mjpeg", "matroska")])
-def test_pyav_gives_dali_cpus_frames_on_the_codecs_both_take(codec, fmt, vision, cpu_video):
+def test_pyav_gives_dali_cpus_frames_on_the_codecs_both_take(codec, fmt, vision, video_decoder):
     """The same planned frames, seeking past a keyframe, from both backends. Both convert with
     swscale's bilinear full-chroma path, so they agree bit for bit here (FFmpeg's default fast
     conversion differs by ~2/255 on average); 1/255 is allowed for builds' rounding."""
-    clip = encode_gop(pan_zoom(_photo("astronaut"), 30, (96, 128)), fps=10, codec=codec, fmt=fmt, gop=6)
+    clip = encode_clip(pan_zoom(_photo("astronaut"), 30, (96, 128)), fps=10, codec=codec, fmt=fmt, gop=6)
     assert len(_keyframes(clip)) >= 5
     plan = plan_video(clip, vision, SPEC)
-    assert cpu_video.route(plan.header) == "cpu"
+    assert video_decoder.route(plan.header) == "cpu"
     odd = dataclasses.replace(plan, indices=(7, 8, 13, 29))
     for p in (plan, odd):
-        (dali,), (ours,) = cpu_video.decode_frames([p]), _PyAVVideo().decode([p])
+        (dali,), (ours,) = video_decoder.decode_frames([p]), _PyAVVideo().decode([p])
         assert ours.shape == dali.shape == (len(p.indices), 96, 128, 3) and ours.dtype == np.uint8
         diff = np.abs(ours.astype(int) - dali)
         assert diff.max() <= 1 and diff.mean() <= 0.01, (diff.mean(), diff.max())
 
 
 @pytest.mark.parametrize("codec,fmt,name", REFUSED_BY_DALI_CPU)
-def test_codecs_dali_cpu_refuses_decode_on_cpu_through_pyav(codec, fmt, name, vision, cpu_video):
+def test_codecs_dali_cpu_refuses_decode_on_cpu_through_pyav(codec, fmt, name, vision, video_decoder):
     if not pyav_decodes(name):
         pytest.skip(f"this FFmpeg build has no {name} decoder")
-    clip = encode_gop(pan_zoom(_photo("rocket"), 30, (96, 128)), fps=10, codec=codec, fmt=fmt, gop=8)
+    clip = encode_clip(pan_zoom(_photo("rocket"), 30, (96, 128)), fps=10, codec=codec, fmt=fmt, gop=8)
     plan = plan_video(clip, vision, SPEC)
-    assert plan.header.codec == name and cpu_video.route(plan.header) == "pyav"
+    assert plan.header.codec == name and video_decoder.route(plan.header) == "pyav"
     everything = dataclasses.replace(plan, indices=tuple(range(plan.header.frames)))
-    sampled, full = cpu_video.decode_frames([plan, everything])
+    sampled, full = video_decoder.decode_frames([plan, everything])
     assert sampled.shape == (len(plan.indices), 96, 128, 3) and full.shape == (30, 96, 128, 3)
     assert np.array_equal(sampled, full[list(plan.indices)])  # seeking lands on the same frames
     with av.open(io.BytesIO(clip)) as c:  # FFmpeg's plain decode, in presentation order
@@ -126,7 +92,7 @@ def test_codecs_dali_cpu_refuses_decode_on_cpu_through_pyav(codec, fmt, name, vi
 def test_the_frames_returned_are_the_planned_ones(codec, fmt, vision):
     """Frame k's brightness is k: planned indices come back in order, whether the decode seeks to a
     keyframe past the first frame or runs from the start (B-frames reorder H.264 and HEVC)."""
-    clip = encode_gop(_numbered(30), fps=10, codec=codec, fmt=fmt, gop=5)
+    clip = encode_clip(_numbered(30), fps=10, codec=codec, fmt=fmt, gop=5)
     keys = _keyframes(clip)
     assert len(keys) >= 4, keys
     plan = plan_video(clip, vision, SPEC)
@@ -141,21 +107,21 @@ def test_the_frames_returned_are_the_planned_ones(codec, fmt, vision):
         assert [round(_index_of(f)) for f in frames] == list(indices), [_index_of(f) for f in frames]
 
 
-def test_a_short_or_corrupt_stream_costs_only_its_video(h264, vision, cpu_video):
+def test_a_short_or_corrupt_stream_costs_only_its_video(h264, vision, video_decoder):
     good = plan_video(h264, vision, SPEC)
     past_the_end = dataclasses.replace(good, indices=(0, 5, 99))  # the container holds 12 frames
     mdat = h264.find(b"mdat")
     zeroed = bytearray(h264)
     zeroed[mdat + 4:mdat + 4 + 4096] = bytes(4096)  # boxes intact, so the probe passes it
     garbled = plan_video(bytes(zeroed), vision, SPEC)
-    out = cpu_video.to_pixel_rows([good, past_the_end, garbled, good], vision)
+    out = video_decoder.to_pixel_rows([good, past_the_end, garbled, good], vision)
     assert [type(r).__name__ for r in out] == ["ndarray", "ImageRejected", "ImageRejected", "ndarray"], out
     assert out[1].reason == "video_truncated" and "frame 99" in out[1].detail and "12" in out[1].detail
     assert out[2].reason == "video_corrupt" and len(out[2].detail) <= 200
     assert np.array_equal(out[0], out[3])
 
 
-def test_tokens_grids_and_pixels_match_the_transformers_processor(vision, qwen3vl, cpu_video):
+def test_tokens_grids_and_pixels_match_the_transformers_processor(vision, qwen3vl, video_decoder):
     """H.264 and HEVC on CPU: the processor, fed every frame of each video (decoded by PyAV), samples
     the frames and grids the pipeline plans, and its pixel values match the pipeline's rows."""
     import torch
@@ -164,10 +130,10 @@ def test_tokens_grids_and_pixels_match_the_transformers_processor(vision, qwen3v
     from datasvc.shards import RawSample
 
     astro, rocket = _photo("astronaut"), _photo("rocket")
-    clips = [encode_gop(pan_zoom(astro, 25, (96, 128)), fps=10, codec="libx264", fmt="mp4", gop=6),
-             encode_gop(pan_zoom(rocket, 13, (112, 160)), fps=6, codec="libx265", fmt="mp4", gop=4)]
+    clips = [encode_clip(pan_zoom(astro, 25, (96, 128)), fps=10, codec="libx264", fmt="mp4", gop=6),
+             encode_clip(pan_zoom(rocket, 13, (112, 160)), fps=6, codec="libx265", fmt="mp4", gop=4)]
     plans = [plan_video(c, vision, qwen3vl.video) for c in clips]
-    assert [cpu_video.route(p.header) for p in plans] == ["pyav", "pyav"]
+    assert [video_decoder.route(p.header) for p in plans] == ["pyav", "pyav"]
     full = _PyAVVideo().decode([dataclasses.replace(p, indices=tuple(range(p.header.frames))) for p in plans])
     proc = _hf_processor()
     text = proc.tokenizer.apply_chat_template(CONVERSATION["messages"], chat_template=TEMPLATE, tokenize=False)
@@ -178,7 +144,7 @@ def test_tokens_grids_and_pixels_match_the_transformers_processor(vision, qwen3v
     assert hf["video_grid_thw"].tolist() == [list(p.grid) for p in plans]
     ids, _labels = qwen3vl.encode(RawSample("s", "k", [], None, CONVERSATION), [], plans)
     assert ids.tolist() == hf["input_ids"][0].tolist()
-    rows = cpu_video.to_pixel_rows(plans, vision)
+    rows = video_decoder.to_pixel_rows(plans, vision)
     ours = to_video_pixel_values(np.concatenate(rows), vision, [p.grid for p in plans])
     theirs = hf["pixel_values_videos"].numpy()
     assert ours.shape == theirs.shape and float(np.abs(ours - theirs).mean()) <= 0.02
