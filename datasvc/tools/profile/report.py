@@ -145,13 +145,19 @@ def compare_table(cmp: dict) -> str:
 
 
 def image_cost_table(cost: dict) -> str:
+    return cost_table(cost, "in-process, CPU time", [
+        ("samples", "samples", "{:.0f}"), ("images", "images", "{:.0f}"),
+        ("vision tokens/sample", "vision_tokens_per_sample", "{:.1f}"),
+        ("MP/sample", "megapixels_per_sample", "{:.3f}"),
+        ("dec+prep MP per CPU-s", "megapixels_per_cpu_s", "{:.1f}"),
+        ("dec+prep CPU ms/sample", "cpu_ms_per_sample", "{:.2f}")])
+
+
+def cost_table(cost: dict, title: str, rows: list[tuple[str, str, str]]) -> str:
+    """Sources side by side, one row per (label, key, format); each source after the first shows
+    its ratio to the first (``cost[name]["ratio"][key]``)."""
     names = list(cost)
-    rows = [("samples", "samples", "{:.0f}"), ("images", "images", "{:.0f}"),
-            ("vision tokens/sample", "vision_tokens_per_sample", "{:.1f}"),
-            ("MP/sample", "megapixels_per_sample", "{:.3f}"),
-            ("dec+prep MP per CPU-s", "megapixels_per_cpu_s", "{:.1f}"),
-            ("dec+prep CPU ms/sample", "cpu_ms_per_sample", "{:.2f}")]
-    lines = [f"{'in-process, CPU time':24s}" + "".join(f"{n:>20s}" for n in names)]
+    lines = [f"{title:24s}" + "".join(f"{n:>20s}" for n in names)]
     for label, key, f in rows:
         cells = []
         for n in names:

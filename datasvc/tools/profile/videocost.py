@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import time
 
+from datasvc.tools.profile.report import cost_table
+
 
 def _plans(shards: list[str], vision, spec) -> tuple[list, int, int]:
     """Every video's plan (frames, size, grid from its container), how many videos were rejected,
@@ -77,17 +79,8 @@ def video_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
 
 
 def video_cost_table(cost: dict) -> str:
-    names = list(cost)
-    rows = [("videos", "videos", "{:.0f}"), ("sampled frames", "sampled_frames", "{:.0f}"),
-            ("vision tokens/video", "vision_tokens_per_video", "{:.1f}"),
-            ("dec+resize CPU ms/frame", "cpu_ms_per_frame", "{:.2f}"),
-            ("video tokens per CPU-s", "video_tokens_per_cpu_s", "{:.0f}")]
-    lines = [f"{'in-process video, CPU':24s}" + "".join(f"{n:>20s}" for n in names)]
-    for label, key, f in rows:
-        cells = []
-        for n in names:
-            v, r = cost[n].get(key), cost[n]["ratio"].get(key)
-            txt = "-" if v is None else f.format(v) + (f" ({r:.2f}x)" if r is not None and n != names[0] else "")
-            cells.append(f"{txt:>20s}")
-        lines.append(f"{label:24s}" + "".join(cells))
-    return "\n".join(lines)
+    return cost_table(cost, "in-process video, CPU", [
+        ("videos", "videos", "{:.0f}"), ("sampled frames", "sampled_frames", "{:.0f}"),
+        ("vision tokens/video", "vision_tokens_per_video", "{:.1f}"),
+        ("dec+resize CPU ms/frame", "cpu_ms_per_frame", "{:.2f}"),
+        ("video tokens per CPU-s", "video_tokens_per_cpu_s", "{:.0f}")])
