@@ -93,17 +93,12 @@ def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, 
 
 def provenance(argv) -> dict:
     import platform
-    import subprocess
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    from datasvc.tools.bench.provenance import commit
+
     return {"question": "What does a balanced feeder spend planning each step, from headers and from the sizes index?",
             "command": "python -m datasvc.tools.bench.planning " + " ".join(sys.argv[1:] if argv is None else argv),
-            "commit": commit,
-            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_start": list(os.getloadavg())}}
 
 

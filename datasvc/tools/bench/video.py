@@ -23,10 +23,11 @@ from __future__ import annotations
 import io
 import os
 import platform
-import subprocess
 import time
 
 import numpy as np
+
+from datasvc.tools.bench.provenance import commit
 
 FORMATS = ("vp9/webm", "vp8/webm", "mjpeg/mkv", "h264/mp4", "hevc/mp4", "av1/mp4")
 SIZES = ("640x360", "1280x720")
@@ -255,14 +256,6 @@ def _versions() -> dict:
         except ImportError:
             out[mod] = None
     return out
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def print_video(rep: dict) -> None:
