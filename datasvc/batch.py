@@ -22,6 +22,13 @@ def grid_patches(grid_thw: np.ndarray) -> int:
     return int(np.prod(np.asarray(grid_thw, np.int64).reshape(-1, 3), axis=1).sum())
 
 
+def vision_patches(batch: dict) -> int:
+    """A micro-batch's vision patches, images and videos: the tower's input size. Its grids may
+    be numpy arrays or torch tensors on any device."""
+    grids = (batch.get("image_grid_thw"), batch.get("video_grid_thw"))
+    return sum(int(g.prod(-1).sum()) for g in grids if g is not None and g.shape[0])
+
+
 @dataclass(slots=True)
 class EncodedSample:
     """One sample after decode, preprocess and tokenize, before packing."""

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from datasvc.batch import IGNORE_INDEX, EncodedSample
+from datasvc.batch import IGNORE_INDEX, EncodedSample, grid_patches
 from datasvc.config import ServiceConfig
 from datasvc.process import ItemResult, WorkItem
 from datasvc.rejects import Accounting
@@ -109,8 +109,7 @@ class SizesIndex:
         self.headers = headers or HeaderProcessor(cfg)
         self.settings = settings_digest(cfg)
         self.indexes = {idx.path: idx for idx in indexes}
-        self._entries: dict[str, list] = {}
-        self._where: dict[str, dict] = {}
+        self._entries: dict[str, tuple[list, dict]] = {}
         self._lock = threading.Lock()
         self.built = self.loaded = 0  # entries made from headers here, and read from the directory
 
@@ -119,12 +118,11 @@ class SizesIndex:
         return os.path.join(self.directory, f"{os.path.basename(shard)}.{digest}.json")
 
     def __call__(self, item: WorkItem) -> ItemResult:
-        sizes = self.entry(item.shard)
-        position = self._positions(item.shard)
+        sizes, position = self._entry(item.shard)
         acct, out = Accounting(), []
         for sample in item.samples:
             acct.read += 1
-            size = sizes[position[(sample.key, sample.members[0].offset if sample.members else -1)]]
+            size = sizes[position[_sample_id(sample)]]
             if "reason" in size:
                 acct.reject(item.shard, sample.key, size["reason"], size["detail"])
                 continue
@@ -132,17 +130,16 @@ class SizesIndex:
         return ItemResult(item.item_id, out, acct, StageTimes())
 
     def entry(self, shard: str) -> list:
+        """The shard's sizes, one per sample in shard order."""
+        return self._entry(shard)[0]
+
+    def _entry(self, shard: str) -> tuple[list, dict]:
+        """(the shard's sizes, each sample's place among them), read or built once."""
         with self._lock:
             if shard not in self._entries:
-                self._entries[shard] = self._load(shard) or self._build(shard)
+                sizes = self._load(shard) or self._build(shard)
+                self._entries[shard] = sizes, {_sample_id(s): i for i, s in enumerate(self.indexes[shard].samples)}
             return self._entries[shard]
-
-    def _positions(self, shard: str) -> dict:
-        with self._lock:
-            if shard not in self._where:
-                self._where[shard] = {(s.key, s.members[0].offset if s.members else -1): i
-                                      for i, s in enumerate(self.indexes[shard].samples)}
-            return self._where[shard]
 
     def _load(self, shard: str) -> list | None:
         try:
@@ -197,6 +194,11 @@ class SizesIndex:
             log.warning("sizes index entry %s not written (%s); planning goes on from headers", path, exc)
 
 
+def _sample_id(sample) -> tuple[str, int]:
+    """A sample's place in its shard: keys may repeat in a shard, member offsets do not."""
+    return sample.key, sample.members[0].offset if sample.members else -1
+
+
 def _placeholder(shard: str, key: str, size: dict) -> EncodedSample:
     """A sample of the planned length and patch grids; its token values are never read (the
     decoded sample's own replace it when the rows are made)."""
@@ -204,8 +206,8 @@ def _placeholder(shard: str, key: str, size: dict) -> EncodedSample:
     images = np.asarray(size["images"], np.int64).reshape(-1, 3)
     videos = np.asarray(size["videos"], np.int64).reshape(-1, 3)
     return EncodedSample(key, shard, np.zeros(n, np.int32), np.full(n, IGNORE_INDEX, np.int32),
-                         np.zeros((int(images.prod(axis=1).sum()), 0), np.uint8), images,
-                         video_pixels=np.zeros((int(videos.prod(axis=1).sum()), 0), np.uint8),
+                         np.zeros((grid_patches(images), 0), np.uint8), images,
+                         video_pixels=np.zeros((grid_patches(videos), 0), np.uint8),
                          video_grid_thw=videos)
 
 

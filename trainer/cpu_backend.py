@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from datasvc.balance import straggler_ratio
-from datasvc.batch import IGNORE_INDEX
+from datasvc.batch import IGNORE_INDEX, vision_patches
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
 
@@ -102,12 +102,6 @@ def all_reduce_grads(model) -> None:
         n = p.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p))
         offset += n
-
-
-def vision_patches(batch: dict) -> int:
-    """The micro-batch's vision patches (images and video), the tower's input size."""
-    return sum(int(batch[k].prod(dim=-1).sum()) for k in ("image_grid_thw", "video_grid_thw")
-               if batch.get(k) is not None and batch[k].numel())
 
 
 def rank_spread(compute_s: float, patches: int, world: int) -> dict:

@@ -14,6 +14,7 @@ from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.bridge.training.state import GlobalState
 
 from datasvc.balance import straggler_ratio
+from datasvc.batch import vision_patches
 from trainer.megatron.thd import real_tokens_per_row
 
 log = logging.getLogger("vlmfeed.megatron")
@@ -47,8 +48,7 @@ class TimedIterator:
         tokens = batch["tokens"]
         self.slot_tokens += tokens.numel()
         self.real_tokens += int(real_tokens_per_row(batch["cu_seqlens"], batch["num_samples"]).sum())
-        self.vision_patches += sum(int(batch[k].prod(dim=-1).sum()) for k in ("image_grid_thw", "video_grid_thw")
-                                   if batch.get(k) is not None and batch[k].numel())
+        self.vision_patches += vision_patches(batch)
         self.micro_batches += 1
         return self.adapt(batch) if self.adapt else batch
 
