@@ -29,6 +29,21 @@ def vision_patches(batch: dict) -> int:
     return sum(int(g.prod(-1).sum()) for g in grids if g is not None and g.shape[0])
 
 
+def vision_patches_sq(batch: dict) -> int:
+    """Sum over the tower's attention units of their patches squared: the tower attends within
+    each image, and within each temporal group of a video (``t`` units of ``h * w`` patches)."""
+    grids = (batch.get("image_grid_thw"), batch.get("video_grid_thw"))
+    return sum(int((g[:, 0] * (g[:, 1] * g[:, 2]) ** 2).sum()) for g in grids if g is not None and g.shape[0])
+
+
+def sample_tokens_sq(batch: dict) -> int:
+    """Sum over the micro-batch's samples of their tokens squared (the decoder attends per sample).
+    Its tensors may be numpy arrays or torch tensors on any device."""
+    cu, counts = (np.asarray(x.cpu() if hasattr(x, "cpu") else x, dtype=np.int64)
+                  for x in (batch["cu_seqlens"], batch["num_samples"]))
+    return int(sum((np.diff(cu[r, :n + 1]) ** 2).sum() for r, n in enumerate(counts)))
+
+
 @dataclass(slots=True)
 class EncodedSample:
     """One sample after decode, preprocess and tokenize, before packing."""

@@ -62,6 +62,8 @@ class Calibration:
     rel_std_errors: dict
     """Standard error of each fitted term over its value (overhead, text, vision): how well the
     recorded steps pin it down."""
+    model: str = MEASURED_PRESET
+    """The model the steps trained; other models get its rates through their own FLOP model."""
 
 
 _H200 = "1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130"
@@ -131,13 +133,17 @@ def cost_model(preset: str | None = None, calibration: str | None = None) -> Cos
     name = calibration or "h200-3d"
     if name not in CALIBRATIONS:
         raise ValueError(f"unknown calibration {name!r}; fitted: {', '.join(sorted(CALIBRATIONS))}")
-    if preset in (None, MEASURED_PRESET):
-        model = measured_model()
-    elif preset in PRESETS:
-        model = PRESETS[preset]
-    else:
+    c = CALIBRATIONS[name]
+    preset = preset or c.model
+    if preset != MEASURED_PRESET and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose {MEASURED_PRESET} or one of {', '.join(PRESETS)}")
-    return from_rates(model, CALIBRATIONS[name], derived=preset not in (None, MEASURED_PRESET))
+    return from_rates(model_spec(preset), c, derived=preset != c.model)
+
+
+def model_spec(preset: str) -> ModelSpec:
+    from pipelines.qwen3vl.flops import PRESETS
+
+    return measured_model() if preset == MEASURED_PRESET else PRESETS[preset]
 
 
 def flop_coefficients(model: ModelSpec) -> dict:
@@ -158,7 +164,7 @@ def flop_coefficients(model: ModelSpec) -> dict:
 def from_rates(model: ModelSpec, c: Calibration, derived: bool = False) -> CostModel:
     f = flop_coefficients(model)
     text, vision = c.text_tflops * 1e12, c.vision_tflops * 1e12
-    how = ("derived: this model's FLOPs at the rates fitted on the 4-layer proxy" if derived
+    how = (f"derived: this model's FLOPs at the rates fitted on {c.model}" if derived
            else "fitted on this model")
     source = (f"{c.name} ({c.setting}; {c.hardware}; files {', '.join(c.files)} at commit {c.commit}; "
               f"{c.steps} steps, rms error {c.rms_rel_error:.1%}); {how}")
@@ -207,11 +213,11 @@ def _regressors(model: ModelSpec, rec: dict, has_images: bool, stats: PhotoStats
 
 
 def fit(name: str, files: dict[str, bool], stats: PhotoStats, *, setting: str, commit: str,
-        hardware: str = _H200, real_files: list[str] | None = None) -> Calibration:
+        hardware: str = _H200, real_files: list[str] | None = None, model: str = MEASURED_PRESET) -> Calibration:
     """Least squares of step time on (1, text FLOPs, vision FLOPs) over the steps of ``files``
     (path -> whether its samples carry images). ``real_files`` (default: the image files) calibrate
     Megatron-Bridge's FLOPs per patch against the photo set's patches per real token."""
-    model = measured_model()
+    model_name, model = model, model_spec(model)
     dec = flop_coefficients(model)["decoder_per_token"]
     real_files = real_files if real_files is not None else [p for p, img in files.items() if img]
     vis_flops = real_patches = 0.0
@@ -248,7 +254,7 @@ def fit(name: str, files: dict[str, bool], stats: PhotoStats, *, setting: str, c
                        vision_tflops=round(1 / coef[2] / 1e12, 2), step_overhead_s=round(max(0.0, coef[0]), 4),
                        hardware=hardware, setting=setting, files=tuple(p.rsplit("/", 1)[-1] for p in files),
                        commit=commit, steps=len(t), rms_rel_error=round(float(np.sqrt(np.mean((pred / t - 1) ** 2))), 4),
-                       case_rel_errors=errors,
+                       case_rel_errors=errors, model=model_name,
                        rel_std_errors={k: round(float(v), 3) for k, v in zip(("overhead", "text", "vision"), se)})
 
 
@@ -285,18 +291,24 @@ def calibration_inputs(results_dir: str) -> dict[str, tuple[dict[str, bool], dic
     recompute = ["h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/{strategy}-{source}-large-mbs4-recompute-vchunk32k.metrics.jsonl",
                  "h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/{strategy}-{source}-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl",
                  "h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/{strategy}-{source}-large-mbs4-recompute-vchunk32k.metrics.jsonl"]
+    depth = ["h200/train-depth-proxy-fsdp-mbs1-2/{strategy}-{source}-large-mbs1-depth-proxy.metrics.jsonl",
+             "h200/train-depth-proxy-fsdp-mbs1-2/{strategy}-{source}-large-mbs2-depth-proxy.metrics.jsonl"]
+    proxy, depth_proxy = "4-layer 30B-A3B proxy (128 experts)", "30B-A3B depth proxy (48 layers, 16 experts)"
     settings = {
-        "h200-3d": ("3d", plain, "3d (TP=PP=EP=1), MBS 1-2, no recompute"),
-        "h200-3d-recompute": ("3d", recompute, "3d, MBS 4-8, full recompute, 32k-patch vision chunks"),
-        "h200-fsdp": ("fsdp", plain, "Megatron-FSDP on one GPU, MBS 1-2, no recompute"),
-        "h200-fsdp-recompute": ("fsdp", recompute, "Megatron-FSDP, MBS 4-8, full recompute, 32k-patch chunks"),
+        "h200-3d": ("3d", plain, proxy, "3d (TP=PP=EP=1), MBS 1-2, no recompute"),
+        "h200-3d-recompute": ("3d", recompute, proxy, "3d, MBS 4-8, full recompute, 32k-patch vision chunks"),
+        "h200-fsdp": ("fsdp", plain, proxy, "Megatron-FSDP on one GPU, MBS 1-2, no recompute"),
+        "h200-fsdp-recompute": ("fsdp", recompute, proxy, "Megatron-FSDP, MBS 4-8, full recompute, 32k-patch chunks"),
+        "h200-depth-proxy-fsdp": ("fsdp", depth, depth_proxy, "Megatron-FSDP on one GPU, MBS 1-2, full recompute, "
+                                  "32k-patch vision chunks (what trainer.run picks with no flags)"),
     }
+    models = {"h200-depth-proxy-fsdp": "qwen3vl-30b-a3b-depth-proxy"}
     out = {}
-    for name, (strategy, cases, setting) in settings.items():
+    for name, (strategy, cases, model, setting) in settings.items():
         chosen = files(strategy, cases)
         if any(chosen.values()) and not all(chosen.values()):
-            out[name] = (chosen, {"setting": f"4-layer 30B-A3B proxy (128 experts), {setting}",
-                                  "commit": _commit(list(chosen))})
+            out[name] = (chosen, {"setting": f"{model}, {setting}", "commit": _commit(list(chosen)),
+                                  "model": models.get(name, MEASURED_PRESET)})
     return out
 
 

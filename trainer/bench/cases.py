@@ -6,13 +6,17 @@ GPU unless it says ``--world-size``.
 
 Sources: ``real`` is the bundled photo set (96 samples an epoch); ``real-large`` the same photos as
 384 distinct crops, so that blocks fill the rows of MBS 4 and 8; ``synthetic``/``mock`` are
-calibrated from the real set of the same size and have as many samples.
+calibrated from the real set of the same size and have as many samples. ``video-mix`` is the
+``image-video-mix`` synthetic profile (photos and short VP9/H.264 clips, some samples both).
 """
 from __future__ import annotations
 
 PROXY = ["--num-layers", "4", "--seq-len", "4096"]
 MEMORY = ["--recompute", "full", "--vision-chunk-patches", "32768"]  # what MBS 4-8 needs to fit
 SOURCES = ("real-large", "synthetic-large", "mock-large")
+VIDEO = ["--video-max-pixels", str(4 << 20)]  # about 2k tokens a clip: one video sample fits a 4k row
+DEPTH_PROXY = ["--model-preset", "qwen3vl-30b-a3b-depth-proxy", "--num-layers", "48", *MEMORY, "--expandable-segments"]
+"""What ``trainer.run`` picks with no flags on one H200: all 48 decoder layers, 16 experts (docs/benchmarks.md)."""
 
 
 def case(strategy: str, source: str, mbs: int, iters: int, *extra: str, label: str = "") -> tuple:
@@ -95,5 +99,12 @@ GROUPS = {
                      case("3d", "real-large", 2, 15, "--items-per-block", "4", label="4-item-blocks")],
     # Blocks packed in chains of 4 (trainer.run's default) against each block on its own, same run.
     "chain-blocks": [*_chains(4, 20), *_chains(8, 16, "--expandable-segments")],
+    # Photos and clips in one stream: video decode on the actors, video pads in packed rows.
+    "video-mix-3d-mbs1-2-4": [case("3d", "video-mix", 1, 15, *VIDEO, label="vcap4m"),
+                              case("3d", "video-mix", 2, 15, *VIDEO, label="vcap4m"),
+                              case("3d", "video-mix", 4, 12, *VIDEO, *MEMORY, label="vcap4m-recompute-vchunk32k")],
+    # The cost model's full-depth calibration: real photos and the image-free mock at MBS 1 and 2.
+    "depth-proxy-fsdp-mbs1-2": [case("fsdp", src, mbs, 12, *DEPTH_PROXY, label="depth-proxy")
+                                for mbs in (1, 2) for src in ("real-large", "mock-large")],
 }
 DEFAULT_GROUPS = ["strategies", "sources-small", "mbs-small", "frozen-vision-padded"]

@@ -103,12 +103,14 @@ def _streamed(decoder, jobs, spec, per_batch: int, rounds: int = 4) -> int:
     return _synchronized(n)
 
 
-def _dali_decode_only(jobs, batch: int, gpu):
-    """GpuDecoder's decode settings, pipelined over the same batches; outputs stay on the GPU. The
-    pipeline is built on the first call (a warm-up, inside ``timed``)."""
+def _dali_decode_only(jobs, batch: int, gpu, resize: bool = False):
+    """GpuDecoder's decode settings, pipelined over the same batches; outputs stay on the GPU. With
+    ``resize``, GpuDecoder's resize too: the DALI pipeline alone, with none of the feeding, patch
+    order or normalizing around it. The pipeline is built on the first call (a warm-up, inside ``timed``)."""
     from nvidia.dali import fn, pipeline_def, types
 
     encoded = [np.frombuffer(j.data, dtype=np.uint8) for j in jobs]
+    hws = [np.array(j.decode_hw, dtype=np.float32) for j in jobs]
     built = []
 
     @pipeline_def(batch_size=batch, num_threads=gpu.num_threads, device_id=0, exec_async=True,
@@ -116,7 +118,12 @@ def _dali_decode_only(jobs, batch: int, gpu):
     def decode_pipeline():
         blobs = fn.external_source(source=[encoded[i:i + batch] for i in range(0, len(encoded), batch)],
                                    cycle=True, dtype=types.UINT8)
-        return fn.decoders.image(blobs, device="mixed", output_type=types.RGB, hw_decoder_load=gpu.hw_decoder_load)
+        images = fn.decoders.image(blobs, device="mixed", output_type=types.RGB, hw_decoder_load=gpu.hw_decoder_load)
+        if not resize:
+            return images
+        sizes = fn.external_source(source=[hws[i:i + batch] for i in range(0, len(hws), batch)], cycle=True,
+                                   dtype=types.FLOAT)
+        return fn.resize(images, size=sizes, interp_type=types.INTERP_CUBIC, antialias=True, dtype=types.UINT8)
 
     def run():
         if not built:
@@ -140,7 +147,7 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     t.timed("dali_gpu_stream_pixel_values", lambda: _streamed(gpu, jobs, spec, batch), images=4 * len(jobs))
     t.timed("dali_gpu_stream_pixel_values_per_batch8", lambda: _streamed(gpu, jobs, spec, 8), images=4 * len(jobs))
     for name, kwargs in (("batch128", dict(max_batch=2 * batch)), ("threads8", dict(num_threads=8)),
-                         ("hw1.0", dict(hw_decoder_load=1.0))):
+                         ("hw1.0", dict(hw_decoder_load=1.0)), ("prefetch4", dict(prefetch=4))):
         variant = GpuDecoder(device_id=0, **{"num_threads": 4, "max_batch": batch, **kwargs})
         t.timed(f"dali_gpu_stream_pixel_values_{name}", lambda: _streamed(variant, jobs, spec, variant.max_batch),
                 images=4 * len(jobs))
@@ -175,6 +182,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         torch.cuda.synchronize()
     t.timed("torchvision_nvjpeg_decode_only", decode_only)
     t.timed("dali_gpu_decode_only", _dali_decode_only(jobs, batch, gpu))
+    t.timed("dali_gpu_decode_resize_only", _dali_decode_only(jobs, batch, gpu, resize=True))
 
     res = {"images": len(jobs), "megapixels": round(mp, 1), "batch": batch, **t.results}
     mads = [float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() / 127.5) for a, b in zip(g, c)

@@ -23,9 +23,12 @@ def prepare_sources(root: str, wanted: set[str]) -> dict[str, list[str]]:
     """Shards for the wanted sources; synthetic and mock are written once per root and reused."""
     from datasvc.samples import default_shards, large_shards
     from datasvc.shards import index_shard
-    from datasvc.tools.synth import calibrate, write_shards
+    from datasvc.tools.synth import PROFILES, calibrate, write_shards
 
     out = {}
+    if "video-mix" in wanted:
+        out["video-mix"] = _written(os.path.join(root, "video-mix"), lambda target: write_shards(
+            target, 96, PROFILES["image-video-mix"], seed=0, samples_per_shard=16, progress=True))
     for suffix, real in (("", default_shards), ("-large", large_shards)):
         if not wanted & {f"real{suffix}", f"synthetic{suffix}", f"mock{suffix}"}:
             continue
@@ -35,14 +38,18 @@ def prepare_sources(root: str, wanted: set[str]) -> dict[str, list[str]]:
         for kind in ("synthetic", "mock"):
             name = f"{kind}{suffix}"
             if name in wanted:
-                target = os.path.join(root, name)
-                done = os.path.join(target, ".complete")
-                if not os.path.exists(done):
-                    write_shards(target, n, profile, seed=0, samples_per_shard=32, mock=kind == "mock",
-                                 progress=False)
-                    open(done, "w").close()
-                out[name] = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(".tar"))
+                out[name] = _written(os.path.join(root, name), lambda target: write_shards(
+                    target, n, profile, seed=0, samples_per_shard=32, mock=kind == "mock", progress=False))
     return out
+
+
+def _written(target: str, write) -> list[str]:
+    """The shards in ``target``, written by ``write(target)`` unless a finished set is there."""
+    done = os.path.join(target, ".complete")
+    if not os.path.exists(done):
+        write(target)
+        open(done, "w").close()
+    return sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(".tar"))
 
 
 def partial_summary(metrics_path: str, wall_s: float) -> dict:

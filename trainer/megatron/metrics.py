@@ -14,7 +14,7 @@ from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.bridge.training.state import GlobalState
 
 from datasvc.balance import straggler_ratio
-from datasvc.batch import vision_patches
+from datasvc.batch import sample_tokens_sq, vision_patches, vision_patches_sq
 from trainer.megatron.thd import real_tokens_per_row
 
 log = logging.getLogger("vlmfeed.megatron")
@@ -37,6 +37,8 @@ class TimedIterator:
         self.slot_tokens = 0
         self.micro_batches = 0
         self.vision_patches = 0
+        self.vision_patches_sq = 0
+        self.sample_tokens_sq = 0
 
     def __iter__(self):
         return self
@@ -49,6 +51,8 @@ class TimedIterator:
         self.slot_tokens += tokens.numel()
         self.real_tokens += int(real_tokens_per_row(batch["cu_seqlens"], batch["num_samples"]).sum())
         self.vision_patches += vision_patches(batch)
+        self.vision_patches_sq += vision_patches_sq(batch)
+        self.sample_tokens_sq += sample_tokens_sq(batch)
         self.micro_batches += 1
         return self.adapt(batch) if self.adapt else batch
 
@@ -137,6 +141,10 @@ class StepMetrics(Callback):
     def on_train_step_end(self, context: CallbackContext) -> None:
         torch.cuda.synchronize()
         spread = self._rank_spread()
+        # This rank's own step inputs, what the cost model is fitted on (datasvc.balance).
+        it = self.iterator
+        own = {"vision_patches": it.vision_patches, "vision_patches_sq": it.vision_patches_sq,
+               "sample_tokens_sq": it.sample_tokens_sq, "compute_s": time.perf_counter() - self._t0 - it.wait_s}
         real, slots, wait, peak_gib, step_time = self._reduce_step(time.perf_counter() - self._t0)
         self._pending = {
             "step": context.state.train_state.step + 1,
@@ -152,6 +160,7 @@ class StepMetrics(Callback):
             "skipped": context.skipped_iter,
             "lr": context.optimizer.param_groups[0]["lr"] if context.optimizer is not None else None,
             **spread,
+            **own,
         }
 
     def _rank_spread(self) -> dict:

@@ -1,6 +1,6 @@
 """Distributions and profiles: what a synthetic data set's images and text look like.
 
-A :class:`Profile` is a set of :class:`Dist` distributions; three are built in (:data:`PROFILES`)
+A :class:`Profile` is a set of :class:`Dist` distributions; five are built in (:data:`PROFILES`)
 and ``calibrate`` fits one to real shards. Both round-trip through JSON.
 """
 from __future__ import annotations
@@ -338,6 +338,26 @@ PROFILES: dict[str, Profile] = {
         progressive_fraction=0.0,
         gray_fraction=0.0,
         subsampling={"4:2:2": 0.5, "4:2:0": 0.5},
+    ),
+    # Photos and short clips in one stream, as a mixed Qwen3-VL pretraining blend sees them: most
+    # samples a web photo, a third a clip of a few seconds (VP9 WebM or H.264 MP4, mostly 360p),
+    # some both. Short clips keep a video sample inside one 4k-token row at a 4 MP video cap.
+    "image-video-mix": Profile(
+        name="image-video-mix",
+        description="web photos and 2-20 s clips (VP9/H.264, 360p-720p) in one stream, some samples both",
+        megapixels=Dist.lognormal(0.6, 0.55, 0.2, 2.0),
+        aspect=Dist.choice([4 / 3, 3 / 2, 16 / 9, 1.0, 3 / 4], [0.3, 0.2, 0.2, 0.15, 0.15]),
+        jpeg_quality=Dist.choice([80, 85, 90, 95], [0.25, 0.3, 0.3, 0.15]),
+        kinds={"photo/jpeg": 1.0},
+        images_per_sample=Dist.choice([1], [1.0]),
+        caption_words=Dist.lognormal(20, 0.7, 3, 250),
+        conversation_fraction=0.5,
+        question_words=Dist.lognormal(10, 0.5, 2, 60),
+        answer_words=Dist.lognormal(40, 0.8, 1, 400),
+        media_per_sample={"1+0": 0.55, "2+0": 0.05, "0+1": 0.3, "1+1": 0.1},
+        video_formats={"vp9/webm": 0.5, "h264/mp4": 0.5},
+        video_sizes={"640x360": 0.6, "854x480": 0.3, "1280x720": 0.1},
+        video_seconds=Dist.lognormal(6.0, 0.5, 2.0, 20.0),
     ),
     # Short video clips with a question (LLaVA-Video / ShareGPT4Video-like), some with a photo:
     # VP9 WebM and H.264 MP4 at 360p-720p, 24-30 fps, GOPs of a few seconds.
