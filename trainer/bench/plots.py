@@ -19,7 +19,7 @@ from trainer.summary import steady_window
 
 # Older results name a metric as it was once written; each maps to the name it has now.
 FORMER_NAMES = {"data_wait_frac": "data_wait_share"}
-CASE = re.compile(r"^(?P<strategy>fsdp|3d)-(?P<source>real-large|real|synthetic-large|synthetic|mock-large|mock)"
+CASE = re.compile(r"^(?P<strategy>fsdp|3d)-(?P<source>real-large|real|synthetic-large|synthetic|mock-large|mock|video-mix)"
                   r"-mbs(?P<mbs>\d+)(?:-(?P<label>.+))?$")
 
 
