@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,15 @@ def test_each_training_case_is_a_valid_trainer_job(path, setting):
     assert (targs.decode == "gpu") == (path == "vlmfeed-gpu")
     assert targs.max_pixels == setting.max_pixels and cfg.train.seq_len == setting.seq_len
     assert cfg.recompute.granularity == "full"  # MBS 4 takes the memory settings of trainer.bench.cases
+
+
+def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):
+    from trainer.bench import peers_plot
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200" / "peers-train-mbs2-mbs4"
+    train = peers_plot.load_train([str(runs / "bench-peers-train-mbs2.json"), str(runs / "bench-peers-train-mbs4.json")])
+    assert sorted(train) == [2, 4] and "vlmfeed-gpu" not in train[4]  # cut by the deadline: left out, not zero
+    out = tmp_path / "peers.png"
+    assert peers_plot.main([str(runs / "bench-peers-train-mbs2.json"), "--data", str(runs / "peers-data-16-cores.json"),
+                            "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
