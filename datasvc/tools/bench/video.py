@@ -37,20 +37,36 @@ _DEFAULT_BPP = 0.08  # web video: 720p30 at about 2.2 Mbit/s
 
 def make_clips(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 30.0, gop_seconds: float = 2.0,
                seed: int = 0) -> list[dict]:
-    """One clip per format and size: ``{"fmt", "size", "data", "header"}``."""
-    from datasvc.tools.synth.videos import VideoSpec, render_video
+    """One clip per format and size: ``{"fmt", "size", "data", "header"}``. The clips are encoded
+    in parallel, one process per clip up to the host's cores (the AV1 encoder alone takes most of a
+    minute); each clip's content depends only on its seed and place, not on the process count."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from datasvc.tools.synth.videos import VideoSpec
     from datasvc.video import probe_video
 
-    clips = []
+    jobs = []
     for i, fmt in enumerate(formats):
         for j, size in enumerate(sizes):
             w, h = (int(v) for v in size.split("x"))
             codec = fmt.split("/")[0]
             spec = VideoSpec(fmt, w, h, fps, round(seconds * fps), _BITS_PER_PIXEL.get(codec, _DEFAULT_BPP) * w * h * fps,
                              max(1, round(gop_seconds * fps)))
-            data = render_video(spec, np.random.default_rng([seed, i, j]))
-            clips.append({"fmt": fmt, "size": size, "data": data, "header": probe_video(data)})
-    return clips
+            jobs.append((fmt, size, spec, (seed, i, j)))
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    # Spawned, not forked: the caller may already hold decoder threads.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        encoded = list(pool.map(_render, [(spec, key) for _, _, spec, key in jobs]))
+    return [{"fmt": fmt, "size": size, "data": data, "header": probe_video(data)}
+            for (fmt, size, _, _), data in zip(jobs, encoded)]
+
+
+def _render(job) -> bytes:
+    from datasvc.tools.synth.videos import render_video
+
+    spec, key = job
+    return render_video(spec, np.random.default_rng(list(key)))
 
 
 def _frames(clip: dict, mode: str, spec) -> list[int]:
