@@ -477,3 +477,16 @@ def test_a_calibration_prices_its_own_model_as_fitted_and_others_as_derived(monk
     other = cost.cost_model(cost.MEASURED_PRESET, calibration="depth-test")
     assert other.name == cost.MEASURED_PRESET and "rates fitted on qwen3vl-30b-a3b-depth-proxy" in other.source
     assert own.decoder_per_token > 4 * other.decoder_per_token  # 48 decoder layers against 4, same embeddings
+
+
+def test_the_cost_model_is_checked_against_recorded_steps_it_was_not_fitted_on():
+    """Packed rows of a later H200 run (their own recorded inputs) are predicted within 15%; a run
+    recorded before steps carried their inputs is reported as such, not guessed."""
+    from datasvc.tools.bench.balance import check_recorded
+
+    runs = ROOT / "docs" / "results" / "h200"
+    held_out = str(runs / "peers-train-mbs2-mbs4" / "vlmfeed-cpu-mbs4.metrics.jsonl")
+    older = str(runs / "train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4" / "3d-real-large-mbs2.metrics.jsonl")
+    new, old = check_recorded([held_out, older], "qwen3vl", "h200-3d-recompute")
+    assert new["steps"] >= 10 and abs(new["mean_rel_error"]) < 0.15 and new["rms_rel_error"] < 0.2
+    assert old["steps"] == 0 and "cost inputs" in old["why"]
