@@ -14,6 +14,7 @@ import numpy as np
 
 from datasvc.batch import EncodedSample, PackedBatch
 from datasvc.config import ServiceConfig
+from datasvc.listings import index_shards
 from datasvc.packing import PackingConfig, hold_partial, micro_batches, plan_block
 from datasvc.shards import ShardIndex, expand_shards, index_shard
 
@@ -36,7 +37,9 @@ class EpochPlan:
         from datasvc.process import WorkItem
 
         self.cfg = cfg
-        self.indexes = indexes if indexes is not None else [index_shard(p) for p in expand_shards(list(cfg.shards))]
+        if indexes is None:  # with a sizes index, the shards' tar listings are kept beside it
+            indexes = index_shards(expand_shards(list(cfg.shards)), cfg.sizes_index)
+        self.indexes = indexes
         self._items: list[WorkItem] = []
         for idx in self.indexes:
             for first in range(0, len(idx.samples), cfg.samples_per_item):

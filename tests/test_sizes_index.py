@@ -41,7 +41,9 @@ def test_the_plan_from_the_index_is_the_plan_from_headers(mixed_shards, tmp_path
          stream(plain, 0))
     built = first.stats()["balance"]["sizes_index"]
     assert built["built"] == len(mixed_shards) and built["loaded"] == 0
-    assert len(os.listdir(tmp_path / "sizes")) == len(mixed_shards)
+    entries = os.listdir(tmp_path / "sizes")  # per shard: its sizes and its tar listing
+    assert len(entries) == 2 * len(mixed_shards)
+    assert len([e for e in entries if e.endswith(".listing.json")]) == len(mixed_shards)
 
     # Rank 1's feeder finds every shard indexed: planning reads no header at all.
     reference = stream(plain, 1)
@@ -49,7 +51,11 @@ def test_the_plan_from_the_index_is_the_plan_from_headers(mixed_shards, tmp_path
     def no_headers(*_a, **_k):
         raise AssertionError("a header was read to plan")
 
+    def no_tar_scan(*_a, **_k):
+        raise AssertionError("a tar was scanned to list its samples")
+
     monkeypatch.setattr("datasvc.process.encode_from_headers", no_headers)
+    monkeypatch.setattr("datasvc.listings.index_shard", no_tar_scan)
     second = BalancedProducer(indexed, 1)
     same([(b.sample_keys, b.tokens.copy(), b.image_grid_thw.copy(), p) for b, p in second.micro_batches()],
          reference)
@@ -113,3 +119,34 @@ def test_vlmfeed_sizes_fills_the_index_a_balanced_job_reads(mixed_shards, tmp_pa
     producer = BalancedProducer(cfg, 0)
     assert len(list(producer.micro_batches())) > 0
     assert producer.stats()["balance"]["sizes_index"] == {"built": 0, "loaded": len(mixed_shards)}
+
+
+def test_a_kept_listing_is_the_tar_scan_and_is_dropped_when_the_shard_changes(tmp_path, caplog):
+    """Hostile shards (truncated, repeated keys, damaged headers, unsafe names) list the same from the
+    directory as from their tar; a rewritten shard or a damaged entry is scanned again."""
+    from datasvc.listings import ShardListings, index_shards
+    from datasvc.shards import index_shard
+
+    photo = encode_image(real_photos()[1][1])
+    good = write_mixed_shards(tmp_path / "good", n=16, seed=3)[0]
+    paths, _ = write_hostile_set(str(tmp_path / "hostile"), photo, good, bomb_side=3000)
+    directory = str(tmp_path / "sizes")
+    first = ShardListings(directory)
+    assert [first.index(p) for p in paths] == [index_shard(p) for p in paths]
+    assert first.listed == len(paths) and first.loaded == 0
+    again = ShardListings(directory)
+    kept = [again.index(p) for p in paths]
+    assert again.loaded == len(paths) and again.listed == 0
+    assert kept == [index_shard(p) for p in paths] == index_shards(paths, directory)
+    assert any(i.truncated for i in kept) and any(s.repeated for i in kept for s in i.samples)
+
+    shard = paths[0]
+    with open(shard, "ab") as f:  # rewritten: one more block at the end
+        f.write(b"\0" * 512)
+    changed = ShardListings(directory)
+    assert changed.index(shard) == index_shard(shard) and changed.listed == 1
+    with open(changed.entry_path(shard), "w") as f:
+        f.write('{"format": 1, "samples": [')  # cut short
+    damaged = ShardListings(directory)
+    assert damaged.index(shard) == index_shard(shard) and damaged.listed == 1
+    assert "unreadable" in caplog.text

@@ -12,10 +12,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def _index_some(cfg, directory: str, paths: list[str]) -> dict:
-    from datasvc.shards import index_shard
+    from datasvc.listings import index_shards
     from datasvc.sizes import build_index
 
-    return build_index(cfg, directory, [index_shard(p) for p in paths])
+    return build_index(cfg, directory, index_shards(paths, directory))
 
 
 def main(argv: list[str] | None = None) -> int:

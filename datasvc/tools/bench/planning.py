@@ -1,11 +1,13 @@
 """What does a vision-balanced feeder spend planning each step at DP N, from image headers and
-from the shared sizes index (``datasvc.sizes``)?
+from the shared sizes index (``datasvc.sizes``), and what does it spend starting?
 
 Every feeder of a ``balance_dp`` job plans the micro-batches of all N ranks. From headers that
 means reading (and tokenizing) every rank's samples in every feeder; from a warm index, only
 packing them. This times the plan and the deal alone (no pixel decoded) for the first steps of
 rank 0's feeder, three ways in one run: headers, a cold index (this feeder writes it), a warm
-index (another feeder wrote it), and reports seconds per step and the ratios.
+index (another feeder wrote it), and reports seconds per step and the ratios. Starting is
+listing every shard's samples: from the tars' headers, or from the listings kept beside the index
+(``datasvc.listings``).
 
     python -m datasvc.tools.bench.planning --dp 8 64 512 --out /tmp/planning
 """
@@ -56,16 +58,18 @@ def write_shards(out_dir: str, samples: int, per_shard: int = 64, seed: int = 0)
     return paths
 
 
-def time_plan(cfg, steps: int) -> tuple[float, int, dict | None]:
-    """(seconds for the first ``steps`` planned and dealt steps, steps made, sizes index counts)."""
+def time_plan(cfg, steps: int) -> tuple[float, float, int, dict | None]:
+    """(seconds to start the feeder: listing every shard; seconds for the first ``steps`` planned and
+    dealt steps; steps made; sizes index counts)."""
     from datasvc.balanced import BalancedProducer
 
-    producer = BalancedProducer(cfg, 0)
     t0 = time.perf_counter()
+    producer = BalancedProducer(cfg, 0)
+    t1 = time.perf_counter()
     made = sum(1 for _ in islice(producer._steps(), steps))
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t1
     sizes = producer.sizes
-    return seconds, made, ({"built": sizes.built, "loaded": sizes.loaded} if sizes else None)
+    return t1 - t0, seconds, made, ({"built": sizes.built, "loaded": sizes.loaded} if sizes else None)
 
 
 def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, work_dir: str) -> dict:
@@ -83,10 +87,13 @@ def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, 
         row = {"dp": dp, "micro_batches_per_step": mbs_per_step}
         for name, cfg in (("headers", base), ("index_cold", dataclasses.replace(base, sizes_index=index)),
                           ("index_warm", dataclasses.replace(base, sizes_index=index))):
-            seconds, made, counts = time_plan(cfg, steps)
-            row[name] = {"s_per_step": round(seconds / max(made, 1), 4), "steps": made, "sizes_index": counts}
-            print(f"  dp {dp:4d} {name:10s} {seconds / max(made, 1):8.3f} s/step ({made} steps)", flush=True)
+            start, seconds, made, counts = time_plan(cfg, steps)
+            row[name] = {"start_s": round(start, 4), "s_per_step": round(seconds / max(made, 1), 4), "steps": made,
+                         "sizes_index": counts}
+            print(f"  dp {dp:4d} {name:10s} start {start:7.3f} s, {seconds / max(made, 1):8.3f} s/step ({made} steps)",
+                  flush=True)
         row["headers_vs_index_warm"] = round(row["headers"]["s_per_step"] / row["index_warm"]["s_per_step"], 2)
+        row["start_headers_vs_index_warm"] = round(row["headers"]["start_s"] / row["index_warm"]["start_s"], 2)
         rows.append(row)
     return {"samples": samples, "shards": len(shards), "seq_len": seq_len, "rows": rows}
 
@@ -116,10 +123,13 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rep = {**provenance(argv), **rep}
-    print(f"\n{'dp':>5} {'headers s/step':>15} {'index cold':>11} {'index warm':>11} {'headers/warm':>13}")
+    print(f"\n{'dp':>5} {'headers s/step':>15} {'index cold':>11} {'index warm':>11} {'headers/warm':>13}"
+          f" {'start: tars':>12} {'listings':>9} {'tars/listings':>14}")
     for r in rep["rows"]:
         print(f"{r['dp']:>5} {r['headers']['s_per_step']:>15.3f} {r['index_cold']['s_per_step']:>11.3f} "
-              f"{r['index_warm']['s_per_step']:>11.3f} {r['headers_vs_index_warm']:>12.1f}x")
+              f"{r['index_warm']['s_per_step']:>11.3f} {r['headers_vs_index_warm']:>12.1f}x"
+              f" {r['headers']['start_s']:>12.3f} {r['index_warm']['start_s']:>9.3f} "
+              f"{r['start_headers_vs_index_warm']:>13.1f}x")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "planning.json"), "w") as f:
         json.dump(rep, f, indent=1)
