@@ -28,7 +28,8 @@ def prepare_sources(root: str, wanted: set[str]) -> dict[str, list[str]]:
     out = {}
     if "video-mix" in wanted:
         out["video-mix"] = _written(os.path.join(root, "video-mix"), lambda target: write_shards(
-            target, 96, PROFILES["image-video-mix"], seed=0, samples_per_shard=16, progress=True))
+            target, 96, PROFILES["image-video-mix"], seed=0, samples_per_shard=16, progress=True,
+            processes=os.cpu_count() or 1))
     for suffix, real in (("", default_shards), ("-large", large_shards)):
         if not wanted & {f"real{suffix}", f"synthetic{suffix}", f"mock{suffix}"}:
             continue

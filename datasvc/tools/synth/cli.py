@@ -63,12 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mock", action="store_true", help="image-free samples with the same text (naive benchmark data)")
     ap.add_argument("--samples-per-shard", type=int, default=128)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="render samples in this many processes (video profiles: a clip takes seconds to encode); "
+                         "the samples are the same for any count")
     ap.add_argument("--save-profile", metavar="PATH", help="write the profile used (e.g. the fitted one) as JSON")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-report", action="store_true", help="skip re-reading the output for the summary table")
     args = ap.parse_args(argv)
-    if args.samples < 0 or args.samples_per_shard < 1 or args.seed < 0:
-        ap.error("--samples and --seed must be >= 0, --samples-per-shard >= 1")
+    if args.samples < 0 or args.samples_per_shard < 1 or args.seed < 0 or args.processes < 1:
+        ap.error("--samples and --seed must be >= 0, --samples-per-shard and --processes >= 1")
 
     columns: dict[str, dict] = {}
     if args.calibrate_from:
@@ -86,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     paths = write_shards(args.out, args.samples, profile, seed=args.seed,
                          samples_per_shard=args.samples_per_shard, mock=args.mock,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, processes=args.processes)
     dt = time.perf_counter() - t0
     size = sum(os.path.getsize(p) for p in paths)
     print(f"wrote {len(paths)} shard(s), {args.samples} samples, {size / 1e6:.1f} MB to {args.out} "

@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import cv2
 import numpy as np
@@ -73,6 +74,27 @@ def _media_counts(rl: np.random.Generator, profile: Profile) -> tuple[int, int]:
     return n_img, n_vid
 
 
+def _rendered(samples: int, profile: Profile, seed: int, mock: bool, processes: int) -> Iterator[dict]:
+    """Samples 0..samples-1 in order, rendered here or in ``processes`` spawned processes with a
+    bounded number in flight (memory stays a few samples per process however many are written)."""
+    if processes <= 1:
+        for i in range(samples):
+            yield _make_sample(i, profile, seed, mock)
+        return
+    import collections
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending: collections.deque = collections.deque()
+        for i in range(samples):
+            pending.append(pool.submit(_make_sample, i, profile, seed, mock))
+            if len(pending) >= 4 * processes:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
     """Sample ``index``; its randomness depends only on (seed, index), never on shard layout."""
     s_layout, s_text, s_img, s_vid = np.random.SeedSequence([seed, index]).spawn(4)
@@ -111,12 +133,15 @@ def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
 
 def write_shards(out_dir: str | os.PathLike, samples: int, profile: Profile | str = "web-photos",
                  seed: int = 0, samples_per_shard: int = 128, mock: bool = False,
-                 progress: bool = True) -> list[str]:
+                 progress: bool = True, processes: int = 1) -> list[str]:
     """Write ``samples`` samples as ``out_dir/synth-000000.tar``, ...; returns the shard paths.
 
     Each shard is written to a temporary name and renamed, so a reader never sees half a shard.
     Stale ``synth-*.tar`` from an earlier, larger run in the same directory are removed (they
-    would silently mix into a benchmark).
+    would silently mix into a benchmark). ``processes`` > 1 renders samples in that many spawned
+    processes (worth it for video: a clip takes seconds to encode); the samples are the same for
+    any count, since a sample depends only on (seed, index): byte for byte where the encoder is
+    bitexact (not x264, whose rate control varies from run to run).
     """
     from tqdm import tqdm
     from webdataset import TarWriter
@@ -130,16 +155,18 @@ def write_shards(out_dir: str | os.PathLike, samples: int, profile: Profile | st
     paths: list[str] = []
     n_shards = (samples + samples_per_shard - 1) // samples_per_shard
     desc = f"synth {profile.name}{' (mock)' if mock else ''}"
+    made = _rendered(samples, profile, seed, mock, processes)
     with tqdm(total=samples, unit="sample", desc=desc, disable=not progress, file=sys.stderr) as bar:
         for s in range(n_shards):
             path = out / f"synth-{s:06d}.tar"
             tmp = out / f".synth-{s:06d}.tar.tmp"
             with open(tmp, "wb") as f, TarWriter(f, encoder=False, mtime=0, user="synth", group="synth") as tw:
-                for i in range(s * samples_per_shard, min(samples, (s + 1) * samples_per_shard)):
-                    tw.write(_make_sample(i, profile, seed, mock))
+                for _ in range(s * samples_per_shard, min(samples, (s + 1) * samples_per_shard)):
+                    tw.write(next(made))
                     bar.update(1)
             os.replace(tmp, path)
             paths.append(str(path))
+    made.close()
     for stale in out.glob("synth-*.tar"):
         if stale.name[6:12].isdigit() and int(stale.name[6:12]) >= n_shards:
             stale.unlink()
