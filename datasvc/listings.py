@@ -5,10 +5,10 @@ per shard instead of every tar header of the dataset.
 Without it each feeder of a job walks every shard's headers at start (about 170 us a sample on a
 2-core VM: minutes per feeder at a million samples), because every feeder plans every rank's
 order. A listing is used only while the shard file still has the size and modification time it
-was listed at; a rewritten, damaged or foreign entry is listed from the tar again. Object-store
-shards are listed from the store every time (their identity is the store's to tell). Entries are
-written whole, a temporary file renamed into place, so feeders racing on one shard at worst both
-list it.
+was listed at (an object: its size and the store's ETag, one metadata request instead of ranged
+reads of every header); a rewritten, damaged or foreign entry is listed from the tar again. Entries
+are written whole, a temporary file renamed into place, so feeders racing on one shard at worst
+both list it.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import os
 import tempfile
 
 from datasvc.shards import Member, SampleIndex, ShardIndex, index_shard
-from datasvc.storage import is_remote
+from datasvc import storage
 
 log = logging.getLogger("vlmfeed.listings")
 
@@ -32,9 +32,9 @@ class ShardListings:
         self.listed = self.loaded = 0  # shards listed from their tar here, and read from the directory
 
     def index(self, path: str) -> ShardIndex:
-        if is_remote(path):
-            return index_shard(path)
         stamp = _stamp(path)
+        if stamp is None:  # nothing tells this file's versions apart: list it every time
+            return index_shard(path)
         cached = self._load(path, stamp)
         if cached is not None:
             self.loaded += 1
@@ -46,14 +46,14 @@ class ShardListings:
         return index
 
     def entry_path(self, path: str) -> str:
-        digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+        digest = hashlib.sha1(_where(path).encode()).hexdigest()[:16]
         return os.path.join(self.directory, f"{os.path.basename(path)}.{digest}.listing.json")
 
-    def _load(self, path: str, stamp: list[int]) -> ShardIndex | None:
+    def _load(self, path: str, stamp: list) -> ShardIndex | None:
         try:
             with open(self.entry_path(path)) as f:
                 entry = json.load(f)
-            if entry["format"] != FORMAT or entry["path"] != os.path.abspath(path) or entry["stamp"] != stamp:
+            if entry["format"] != FORMAT or entry["path"] != _where(path) or entry["stamp"] != stamp:
                 return None
             samples = [SampleIndex(key, tuple(Member(*m) for m in members), problem, detail, repeated)
                        for key, members, problem, detail, repeated in entry["samples"]]
@@ -64,8 +64,8 @@ class ShardListings:
             log.warning("listing of %s unreadable (%s): reading its tar headers", path, exc)
             return None
 
-    def _write(self, path: str, stamp: list[int], index: ShardIndex) -> None:
-        entry = {"format": FORMAT, "path": os.path.abspath(path), "stamp": stamp, "truncated": index.truncated,
+    def _write(self, path: str, stamp: list, index: ShardIndex) -> None:
+        entry = {"format": FORMAT, "path": _where(path), "stamp": stamp, "truncated": index.truncated,
                  "damaged_headers": index.damaged_headers, "lost_bytes": index.lost_bytes,
                  "samples": [[s.key, [[m.ext, m.offset, m.size] for m in s.members], s.problem, s.detail, s.repeated]
                              for s in index.samples]}
@@ -79,7 +79,13 @@ class ShardListings:
             log.warning("listing of %s not written (%s); it is read from the tar next time too", path, exc)
 
 
-def _stamp(path: str) -> list[int]:
+def _where(path: str) -> str:
+    return path if storage.is_remote(path) else os.path.abspath(path)
+
+
+def _stamp(path: str) -> list | None:
+    if storage.is_remote(path):
+        return storage.stamp(path)
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
 

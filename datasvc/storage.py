@@ -73,6 +73,15 @@ def retried(what: str, fn, *args):
             delay *= 4
 
 
+def stamp(url: str) -> list | None:
+    """What identifies an object's current bytes: its size and the store's ETag (or modification
+    time where there is none); None when the store says neither."""
+    fs, path, _ = filesystem(url)
+    info = retried(f"stat of {url}", fs.info, path)
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+    return [int(info.get("size") or 0), str(version)] if version else None
+
+
 class RemoteArchive:
     """``read_at(offset, size)`` on an object, by ranged GETs through a read-ahead window."""
 

@@ -204,3 +204,33 @@ def test_reading_a_whole_shard_fetches_each_byte_once(s3):
     got = list(read_samples(url(local), idx.samples, ReadLimits()))
     assert not any(r.problem for r in got)
     assert storage.counters()["bytes"] - before["bytes"] <= os.path.getsize(local)
+
+
+def test_a_kept_listing_of_an_object_is_used_while_its_etag_holds(s3, tmp_path):
+    """An object's listing is read back with one metadata request and no ranged GET of its headers;
+    a rewritten object (new ETag) is listed from the store again."""
+    import boto3
+
+    from datasvc.listings import ShardListings
+
+    shard, directory = url(s3["local"][0]), str(tmp_path / "listings")
+    first = ShardListings(directory)
+    assert first.index(shard) == index_shard(shard) and first.listed == 1
+    expected = index_shard(shard)
+    logged = len(s3["proxy"].requests)
+    again = ShardListings(directory)
+    kept = again.index(shard)
+    assert not [m for m, _ in s3["proxy"].requests[logged:] if m == "GET"]
+    assert kept == expected and again.loaded == 1 and again.listed == 0
+
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    client.upload_file(s3["local"][1], BUCKET, f"shards/{os.path.basename(s3['local'][0])}")  # rewritten
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs caches object metadata per instance
+    try:
+        changed = ShardListings(directory)
+        assert changed.index(shard).samples == index_shard(s3["local"][1]).samples and changed.listed == 1
+    finally:
+        client.upload_file(s3["local"][0], BUCKET, f"shards/{os.path.basename(s3['local'][0])}")
+        s3fs.S3FileSystem.clear_instance_cache()
