@@ -111,11 +111,20 @@ class CostModel:
 
     def decoder(self, shape: MicroBatchShape) -> float:
         sq = float(np.square(np.asarray(shape.sample_lengths, dtype=np.float64)).sum())
-        return self.decoder_per_token * shape.slot_tokens + self.decoder_per_token_sq * sq
+        return self.decoder_from_sums(shape.slot_tokens, sq)
 
     def vision(self, shape: MicroBatchShape) -> float:
         p = np.asarray(shape.image_patches, dtype=np.float64)
-        return self.vision_per_patch * float(p.sum()) + self.vision_per_patch_sq * float(np.square(p).sum())
+        return self.vision_from_sums(float(p.sum()), float(np.square(p).sum()))
+
+    def decoder_from_sums(self, slot_tokens: float, sample_tokens_sq: float) -> float:
+        """The decoder's seconds from a micro-batch's (or a step's) slot tokens and the sum of its
+        samples' tokens squared: what a trainer's step record holds."""
+        return self.decoder_per_token * slot_tokens + self.decoder_per_token_sq * sample_tokens_sq
+
+    def vision_from_sums(self, patches: float, patches_sq: float) -> float:
+        """The tower's seconds from its patches and the sum of each attention unit's patches squared."""
+        return self.vision_per_patch * patches + self.vision_per_patch_sq * patches_sq
 
     def cost(self, shape: MicroBatchShape) -> float:
         return self.decoder(shape) + self.vision(shape)

@@ -258,6 +258,32 @@ def fit(name: str, files: dict[str, bool], stats: PhotoStats, *, setting: str, c
                        rel_std_errors={k: round(float(v), 3) for k, v in zip(("overhead", "text", "vision"), se)})
 
 
+def check(files: list[str], calibration: str | None = None) -> list[dict]:
+    """The calibration's cost model against recorded steps it was not fitted on: each steady step's
+    predicted seconds from the step's own inputs (``vision_patches``, ``vision_patches_sq``,
+    ``sample_tokens_sq`` and its slot tokens) against its measured ``compute_s``. Per file: mean
+    predicted over mean measured minus one, the rms of the per-step relative errors, and their
+    correlation."""
+    model = cost_model(calibration=calibration)
+    out = []
+    for path in files:
+        steps = [r for r in _steps(path) if "vision_patches" in r and "compute_s" in r]
+        if not steps:
+            out.append({"file": path, "steps": 0, "why": "no steady step records the cost inputs"})
+            continue
+        pred = np.asarray([model.step_overhead
+                           + model.decoder_from_sums(r["slot_tokens_per_s"] * r["step_time_s"], r["sample_tokens_sq"])
+                           + model.vision_from_sums(r["vision_patches"], r["vision_patches_sq"]) for r in steps])
+        meas = np.asarray([r["compute_s"] for r in steps])
+        corr = float(np.corrcoef(pred, meas)[0, 1]) if len(steps) > 2 and pred.std() > 0 and meas.std() > 0 else None
+        out.append({"file": path, "steps": len(steps), "calibration": calibration or "default",
+                    "mean_rel_error": round(float(pred.mean() / meas.mean() - 1), 4),
+                    "rms_rel_error": round(float(np.sqrt(np.mean((pred / meas - 1) ** 2))), 4),
+                    "correlation": None if corr is None else round(corr, 3),
+                    "measured_s": round(float(meas.mean()), 4), "predicted_s": round(float(pred.mean()), 4)})
+    return out
+
+
 def _commit(paths: list[str]) -> str:
     """The commits that recorded the files (git, when the repository is there)."""
     import subprocess

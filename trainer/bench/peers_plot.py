@@ -13,7 +13,8 @@ import json
 
 import numpy as np
 
-PATHS = ("megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
+from trainer.bench.peers import PATHS
+
 COLOURS = {"megatron-bridge": "tab:gray", "ray-data": "tab:purple", "vlmfeed-cpu": "tab:blue", "vlmfeed-gpu": "tab:green"}
 
 

@@ -230,33 +230,15 @@ def run_fit(args) -> dict:
 
 
 def check_recorded(files: list[str], pipeline: str, calibration: str | None) -> list[dict]:
-    """The cost model against recorded steps it was not fitted on: each step's predicted seconds
-    from the step's own inputs (``vision_patches``, ``vision_patches_sq``, ``sample_tokens_sq`` and its
-    slot tokens) against its measured ``compute_s``, steady steps only. Per file: mean predicted over
-    mean measured minus one, the rms of the per-step relative errors, and their correlation."""
-    model = balance.cost_model(pipeline, None, calibration)
-    out = []
-    for path in files:
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        steps = [r for r in records[max(1, len(records) // 5):] if "vision_patches" in r and "compute_s" in r]
-        if not steps:
-            out.append({"file": path, "steps": 0, "why": "no steady step records the cost inputs"})
-            continue
-        pred = np.asarray([model.step_overhead + model.decoder_per_token * r["slot_tokens_per_s"] * r["step_time_s"]
-                           + model.decoder_per_token_sq * r["sample_tokens_sq"]
-                           + model.vision_per_patch * r["vision_patches"]
-                           + model.vision_per_patch_sq * r["vision_patches_sq"] for r in steps])
-        meas = np.asarray([r["compute_s"] for r in steps])
-        corr = float(np.corrcoef(pred, meas)[0, 1]) if len(steps) > 2 and pred.std() > 0 and meas.std() > 0 else None
-        out.append({"file": path, "steps": len(steps), "calibration": calibration or "default",
-                    "mean_rel_error": round(float(pred.mean() / meas.mean() - 1), 4),
-                    "rms_rel_error": round(float(np.sqrt(np.mean((pred / meas - 1) ** 2))), 4),
-                    "correlation": None if corr is None else round(corr, 3),
-                    "measured_s": round(float(meas.mean()), 4), "predicted_s": round(float(pred.mean()), 4)})
-        r = out[-1]
-        print(f"[check] {os.path.basename(path)}: {r['steps']} steps, predicted {r['predicted_s']} s against "
-              f"{r['measured_s']} s ({r['mean_rel_error']:+.1%}), rms {r['rms_rel_error']:.1%}", flush=True)
+    """The pipeline's cost model against recorded steps it was not fitted on (its ``cost.check``),
+    printed per file."""
+    from datasvc.registry import pipeline_module
+
+    out = _cost_module(pipeline_module(pipeline)).check(files, calibration)
+    for r in out:
+        if r["steps"]:
+            print(f"[check] {os.path.basename(r['file'])}: {r['steps']} steps, predicted {r['predicted_s']} s "
+                  f"against {r['measured_s']} s ({r['mean_rel_error']:+.1%}), rms {r['rms_rel_error']:.1%}", flush=True)
     return out
 
 
