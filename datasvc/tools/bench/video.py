@@ -40,10 +40,8 @@ def make_clips(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 
     """One clip per format and size: ``{"fmt", "size", "data", "header"}``. The clips are encoded
     in parallel, one process per clip up to the host's cores (the AV1 encoder alone takes most of a
     minute); each clip's content depends only on its seed and place, not on the process count."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     from datasvc.tools.synth.videos import VideoSpec
+    from datasvc.tools.synth.write import spawned_map
     from datasvc.video import probe_video
 
     jobs = []
@@ -55,9 +53,7 @@ def make_clips(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 
                              max(1, round(gop_seconds * fps)))
             jobs.append((fmt, size, spec, (seed, i, j)))
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    # Spawned, not forked: the caller may already hold decoder threads.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        encoded = list(pool.map(_render, [(spec, key) for _, _, spec, key in jobs]))
+    encoded = list(spawned_map(_render, [(spec, key) for _, _, spec, key in jobs], workers))
     return [{"fmt": fmt, "size": size, "data": data, "header": probe_video(data)}
             for (fmt, size, _, _), data in zip(jobs, encoded)]
 

@@ -1,13 +1,14 @@
 """Samples and shards: each sample drawn from its own random stream, shards written atomically."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import cv2
 import numpy as np
@@ -74,12 +75,12 @@ def _media_counts(rl: np.random.Generator, profile: Profile) -> tuple[int, int]:
     return n_img, n_vid
 
 
-def _rendered(samples: int, profile: Profile, seed: int, mock: bool, processes: int) -> Iterator[dict]:
-    """Samples 0..samples-1 in order, rendered here or in ``processes`` spawned processes with a
-    bounded number in flight (memory stays a few samples per process however many are written)."""
+def spawned_map(fn: Callable, items: Iterable, processes: int) -> Iterator:
+    """``fn`` over ``items`` in order, here or in ``processes`` spawned processes (not forked: the
+    caller may already hold decoder threads), with a bounded number in flight so memory stays a few
+    results per process however many items there are."""
     if processes <= 1:
-        for i in range(samples):
-            yield _make_sample(i, profile, seed, mock)
+        yield from map(fn, items)
         return
     import collections
     import multiprocessing
@@ -87,8 +88,8 @@ def _rendered(samples: int, profile: Profile, seed: int, mock: bool, processes: 
 
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
         pending: collections.deque = collections.deque()
-        for i in range(samples):
-            pending.append(pool.submit(_make_sample, i, profile, seed, mock))
+        for item in items:
+            pending.append(pool.submit(fn, item))
             if len(pending) >= 4 * processes:
                 yield pending.popleft().result()
         while pending:
@@ -155,7 +156,7 @@ def write_shards(out_dir: str | os.PathLike, samples: int, profile: Profile | st
     paths: list[str] = []
     n_shards = (samples + samples_per_shard - 1) // samples_per_shard
     desc = f"synth {profile.name}{' (mock)' if mock else ''}"
-    made = _rendered(samples, profile, seed, mock, processes)
+    made = spawned_map(functools.partial(_make_sample, profile=profile, seed=seed, mock=mock), range(samples), processes)
     with tqdm(total=samples, unit="sample", desc=desc, disable=not progress, file=sys.stderr) as bar:
         for s in range(n_shards):
             path = out / f"synth-{s:06d}.tar"
