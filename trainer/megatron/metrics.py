@@ -142,10 +142,10 @@ class StepMetrics(Callback):
         torch.cuda.synchronize()
         spread = self._rank_spread()
         # This rank's own step inputs, what the cost model is fitted on (datasvc.balance).
-        it = self.iterator
+        it, elapsed = self.iterator, time.perf_counter() - self._t0
         own = {"vision_patches": it.vision_patches, "vision_patches_sq": it.vision_patches_sq,
-               "sample_tokens_sq": it.sample_tokens_sq, "compute_s": time.perf_counter() - self._t0 - it.wait_s}
-        real, slots, wait, peak_gib, step_time = self._reduce_step(time.perf_counter() - self._t0)
+               "sample_tokens_sq": it.sample_tokens_sq, "compute_s": elapsed - it.wait_s}
+        real, slots, wait, peak_gib, step_time = self._reduce_step(elapsed)
         self._pending = {
             "step": context.state.train_state.step + 1,
             "step_time_s": step_time,
