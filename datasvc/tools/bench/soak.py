@@ -40,11 +40,17 @@ def accepted_keys(cfg) -> Counter:
 
 
 def _ray_rss_mib() -> float:
+    """RSS of this cluster's processes: the embedded cluster's are this process's descendants (so
+    another Ray cluster on the host is not counted); a joined cluster's are every Ray process here."""
+    procs = psutil.Process().children(recursive=True) or list(psutil.process_iter())
     total = 0
-    for p in psutil.process_iter(["cmdline", "memory_info"]):
-        cmd = " ".join(p.info.get("cmdline") or [])
-        if "ray::" in cmd or "raylet" in cmd or "plasma" in cmd:
-            total += p.info["memory_info"].rss if p.info.get("memory_info") else 0
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline())
+            if "ray::" in cmd or "raylet" in cmd or "plasma" in cmd:
+                total += p.memory_info().rss
+        except psutil.Error:  # it ended while being read: a killed actor
+            continue
     return total / 2**20
 
 
@@ -113,7 +119,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
     svc = DataService(cfg, run=f"soak-{uuid.uuid4().hex[:6]}")
     client = svc.client(0, output="numpy")
     run = {"per_epoch": defaultdict(Counter), "faults": Counter(), "rss": {"first": None, "peak": 0.0},
-           "batches": 0, "crash": ""}
+           "batches": 0, "crash": "", "reasons_seen": set()}
     try:
         _stream(client, svc, minutes, kill_every_s, rng, run)
         stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote())
@@ -149,6 +155,7 @@ def _stream(client, svc, minutes: float, kill_every_s: float, rng: random.Random
         run["per_epoch"][client.last_position["epoch"]].update(batch.sample_keys)
         if time.monotonic() >= next_kill and t_end - time.monotonic() > 15:  # the last feeder lives to report
             next_kill = time.monotonic() + kill_every_s
+            _note_reasons(svc, run["reasons_seen"])  # a killed feeder's accounting goes with it
             _inject_fault(svc, rng, run["faults"])
         now_rss = _ray_rss_mib()
         rss["first"] = now_rss if rss["first"] is None and run["batches"] >= 20 else rss["first"]
@@ -157,6 +164,18 @@ def _stream(client, svc, minutes: float, kill_every_s: float, rng: random.Random
             last_report = time.monotonic()
             print(f"[soak] {run['batches']} micro-batches, epoch {client.last_position['epoch']}, "
                   f"faults {sum(run['faults'].values())}, ray RSS {now_rss:.0f} MiB", flush=True)
+
+
+def _note_reasons(svc, seen: set) -> None:
+    import ray
+
+    from datasvc.service import feeder_name
+
+    try:
+        stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote(), timeout=10)
+    except Exception:  # a feeder still restarting from the last fault has nothing to say yet
+        return
+    seen.update(stats["accounting"]["quarantined"])
 
 
 def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_budget_mib: float,
@@ -179,6 +198,7 @@ def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_
         "uncounted_samples": uncounted,
         "actors_replaced_current_feeder": stats["actors_replaced"],
         "quarantined_by_reason_current_feeder": a["quarantined"],
+        "quarantine_reasons_every_feeder": sorted(run["reasons_seen"] | set(a["quarantined"])),
         "kill_key": kill_key,  # quarantined worker_died by each feeder that reached it
         "decoded_bytes_budget_mib": DECODED_BYTES_BUDGET >> 20, "rss_budget_mib": rss_budget_mib,
         "ray_rss_mib_after_warmup": round(rss["first"] or 0, 1), "ray_rss_mib_peak": round(rss["peak"], 1),
