@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from datasvc.cluster import local_auth_env
 from trainer.workers import RankLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,8 +65,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
     venv_bin = os.path.dirname(sys.executable)
-    # Ray 2.60 token auth: the cluster and the job client must agree on the mode.
-    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ["PATH"], RAY_ADDRESS="", RAY_AUTH_MODE="token")
+    # Ray 2.60 token auth: the cluster and the job client agree on the mode and hold the same token
+    # (given here, not left to whatever an earlier test put in this process's environment).
+    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ["PATH"], RAY_ADDRESS="", **local_auth_env())
     env.pop("RAY_ADDRESS")
     import ray
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from datasvc.balance import straggler_ratio
 from datasvc.batch import IGNORE_INDEX, vision_patches
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
+from trainer.rank_spread import gather_rank_spread
 
 log = logging.getLogger("vlmfeed.trainer.cpu")
 
@@ -104,20 +104,6 @@ def all_reduce_grads(model) -> None:
         offset += n
 
 
-def rank_spread(compute_s: float, patches: int, world: int) -> dict:
-    """Every rank's compute seconds and vision patches of this step, and their straggler ratio
-    (max / mean compute: the step waits for the slowest rank)."""
-    mine = torch.tensor([compute_s, float(patches)], dtype=torch.float64)
-    if world > 1:
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-    else:
-        gathered = [mine]
-    compute = [round(float(g[0]), 4) for g in gathered]
-    return {"rank_compute_s": compute, "rank_vision_patches": [int(g[1]) for g in gathered],
-            "straggler_ratio": round(straggler_ratio(compute), 4) if world > 1 else None}
-
-
 def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metrics_path: str | None,
           rank: int, world: int, model_cfg: CpuModelConfig = CpuModelConfig()) -> list[dict]:
     if rank == 0:
@@ -160,7 +146,9 @@ def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metri
         stats = torch.tensor([float(loss_sum), n_tok, real, total], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(stats)
-        spread = rank_spread(compute_s, sum(vision_patches(b) for b in micro), world)
+        gathered = gather_rank_spread(compute_s, sum(vision_patches(b) for b in micro))
+        spread = {"rank_compute_s": gathered.seconds, "rank_vision_patches": gathered.vision_patches,
+                  "straggler_ratio": gathered.straggler_ratio}
         dt = time.perf_counter() - t0
         waited = data_iter.wait_s - wait0
         rec = {

@@ -13,9 +13,9 @@ import torch
 from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.bridge.training.state import GlobalState
 
-from datasvc.balance import straggler_ratio
 from datasvc.batch import sample_tokens_sq, vision_patches, vision_patches_sq
 from trainer.megatron.thd import real_tokens_per_row
+from trainer.rank_spread import gather_rank_spread
 
 log = logging.getLogger("vlmfeed.megatron")
 
@@ -164,21 +164,15 @@ class StepMetrics(Callback):
         }
 
     def _rank_spread(self) -> dict:
-        """Every DP replica's forward seconds and vision patches of this step, and their straggler
-        ratio (max / mean forward time; None with one replica or no clock)."""
+        """Every DP replica's forward seconds and vision patches of this step (forward seconds and the
+        straggler ratio are None without a forward clock)."""
         from megatron.core import parallel_state
 
-        group = parallel_state.get_data_parallel_group()
-        dp = torch.distributed.get_world_size(group)
         forward_s = self.clock.drain() if self.clock else 0.0
-        mine = torch.tensor([forward_s, float(self.iterator.vision_patches)], dtype=torch.float64,
-                            device=torch.cuda.current_device())
-        gathered = torch.zeros(dp, 2, dtype=torch.float64, device=mine.device)
-        torch.distributed.all_gather_into_tensor(gathered, mine, group=group)
-        forward = [round(x, 4) for x in gathered[:, 0].tolist()]
-        return {"rank_forward_s": forward if self.clock else None,
-                "rank_vision_patches": [int(x) for x in gathered[:, 1].tolist()],
-                "straggler_ratio": round(straggler_ratio(forward), 4) if self.clock and dp > 1 else None}
+        spread = gather_rank_spread(forward_s, self.iterator.vision_patches,
+                                    group=parallel_state.get_data_parallel_group(), device=torch.cuda.current_device())
+        return {"rank_forward_s": spread.seconds if self.clock else None, "rank_vision_patches": spread.vision_patches,
+                "straggler_ratio": spread.straggler_ratio if self.clock else None}
 
     def _reduce_step(self, step_time: float) -> tuple[float, float, float, float, float]:
         """(real tokens, slot tokens, data wait, peak GiB, step time) of this step over the job: tokens
