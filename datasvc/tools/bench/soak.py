@@ -105,11 +105,8 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
          rss_budget_mib: float = 6144.0) -> dict:
     """Stream for ``minutes``, killing an actor or the feeder every ``kill_every_s``; the report
     (see the module doc) is printed, written to ``out`` as JSON, and returned."""
-    import ray
-
     from datasvc.client import DataService
     from datasvc.cluster import connect
-    from datasvc.service import feeder_name
 
     rng = random.Random(seed)
     cfg, kill_key = _soak_config()
@@ -122,7 +119,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
            "batches": 0, "crash": "", "reasons_seen": set()}
     try:
         _stream(client, svc, minutes, kill_every_s, rng, run)
-        stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote())
+        stats = _feeder_stats(svc)
         run["rss"]["final"] = _ray_rss_mib()
     finally:
         client.close()
@@ -166,13 +163,17 @@ def _stream(client, svc, minutes: float, kill_every_s: float, rng: random.Random
                   f"faults {sum(run['faults'].values())}, ray RSS {now_rss:.0f} MiB", flush=True)
 
 
-def _note_reasons(svc, seen: set) -> None:
+def _feeder_stats(svc, timeout: float | None = None) -> dict:
     import ray
 
     from datasvc.service import feeder_name
 
+    return ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote(), timeout=timeout)
+
+
+def _note_reasons(svc, seen: set) -> None:
     try:
-        stats = ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote(), timeout=10)
+        stats = _feeder_stats(svc, timeout=10)
     except Exception:  # a feeder still restarting from the last fault has nothing to say yet
         return
     seen.update(stats["accounting"]["quarantined"])
