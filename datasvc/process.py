@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from datasvc.batch import EncodedSample
-from datasvc.decode import DecodeJob, Decoder, probe
+from datasvc.decode import CpuDecoder, DecodeJob, Decoder, probe
 from datasvc.filters import SampleRules
 from datasvc.registry import Pipeline
 from datasvc.rejects import Accounting
@@ -276,7 +277,6 @@ class ItemProcessor:
     sample rules of a config. The in-process path (``datasvc.producer``) runs the same object."""
 
     def __init__(self, cfg, device_id: int | None = 0):
-        from datasvc.decode import make_decoder
         from datasvc.registry import get_pipeline
 
         self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
@@ -297,3 +297,14 @@ class ItemProcessor:
     def __call__(self, item: WorkItem) -> ItemResult:
         return process_item(item, self.pipeline, self.decoder, self.limits, self.rules, self.budget,
                             self.video_decoder)
+
+
+def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int | None = 0,
+                 jpeg: Literal["dali", "libjpeg-turbo"] = "dali") -> Decoder:
+    if kind == "cpu":
+        return CpuDecoder(num_threads=num_threads, jpeg=jpeg)
+    if kind == "gpu":
+        from datasvc.gpudecode import GpuDecoder
+
+        return GpuDecoder(device_id=device_id, num_threads=max(2, num_threads))
+    raise ValueError(f"decode backend must be 'cpu' or 'gpu', not {kind!r}")

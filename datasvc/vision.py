@@ -100,15 +100,33 @@ def pixel_rows(image, spec: VisionSpec):
     return image.reshape(-1, spec.patch_dim)
 
 
+PATCH_ORDER = (0, 3, 1, 4, 6, 2, 5)
+"""The permutation of ``patch_grid_shape`` that puts an image's pixels in the HF row order."""
+_RASTER_ORDER = tuple(int(i) for i in np.argsort(PATCH_ORDER))
+
+
+def patch_grid_shape(height: int, width: int, spec: VisionSpec, channels: int = 3) -> tuple[int, ...]:
+    """An HWC image's shape split into [gh/m, m, P, gw/m, m, P, C]: what ``PATCH_ORDER`` permutes."""
+    p, m = spec.patch_size, spec.merge_size
+    return height // p // m, m, p, width // p // m, m, p, channels
+
+
 def _patch_view(image, spec: VisionSpec):
     """HWC image -> a strided view [gh/m, gw/m, m, m, C, P, P] in the HF processor's row order:
     merge windows row-major, the m x m patches of a window consecutive, then channel-major patch
     pixels. Numpy arrays and torch tensors (on any device)."""
     height, width, channels = image.shape
+    x = image.reshape(patch_grid_shape(height, width, spec, channels))
+    return x.transpose(PATCH_ORDER) if isinstance(x, np.ndarray) else x.permute(PATCH_ORDER)
+
+
+def raster_from_patches(patches, spec: VisionSpec, height: int, width: int):
+    """``patchify``'s inverse: an image's rows in the HF order -> its HWC image (a fresh tensor or
+    array)."""
     p, m = spec.patch_size, spec.merge_size
-    x = image.reshape(height // p // m, m, p, width // p // m, m, p, channels)
-    order = (0, 3, 1, 4, 6, 2, 5)
-    return x.transpose(order) if isinstance(x, np.ndarray) else x.permute(order)
+    x = patches.reshape(height // p // m, width // p // m, m, m, 3, p, p)
+    x = x.transpose(_RASTER_ORDER) if isinstance(x, np.ndarray) else x.permute(_RASTER_ORDER)
+    return (np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()).reshape(height, width, 3)
 
 
 def patchify(image, spec: VisionSpec):

@@ -245,7 +245,7 @@ def test_gif_bmp_tiff_match_hf(cpu_decoder, fmt):
 def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
     """``--decode gpu``: nvJPEG decodes the stored frame, the header's orientation is applied after
     the resize on the GPU; the result is HF's ``load_image`` + processor, as on the CPU path."""
-    from datasvc.decode import GpuDecoder
+    from datasvc.gpudecode import GpuDecoder
 
     spec = VisionSpec(max_pixels=512 * 512)
     data = oriented("JPEG", orientation)
@@ -259,7 +259,7 @@ def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
 def test_cut_jpeg_rejected_on_the_gpu_decoder():
     """nvJPEG fills a cut JPEG with gray; the header probe rejects it before either decoder sees it."""
-    from datasvc.decode import GpuDecoder
+    from datasvc.gpudecode import GpuDecoder
 
     whole = oriented("JPEG", 1)
     out = preprocess_images([whole[:5000], whole], VisionSpec(max_pixels=512 * 512),

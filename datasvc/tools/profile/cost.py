@@ -23,7 +23,7 @@ def image_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
     the cheapest of ``repeat`` rounds kept per sample (a burst of load elsewhere spoils one sample's
     timing in one round, not a whole source's). Also counts vision tokens per sample exactly.
     """
-    from datasvc.decode import make_decoder
+    from datasvc.process import make_decoder
     from datasvc.process import preprocess_images
     from datasvc.registry import get_pipeline
     from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
