@@ -287,7 +287,7 @@ def print_video(rep: dict) -> None:
 
 
 def with_provenance(rep: dict, argv: list[str]) -> dict:
-    return {"question": "How fast is video decode on CPU?", "command": "vlmfeed bench " + " ".join(argv),
+    return {"question": "How fast is video decode, per decoder?", "command": "vlmfeed bench " + " ".join(argv),
             "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), **rep}
 
 
