@@ -177,12 +177,17 @@ class VideoDecoder:
     ``GPU_CODECS`` at NVDEC's sizes; MJPEG (which NVDEC does not take) and videos under NVDEC's
     smallest size on the CPU backend when their codec is in ``CPU_CODECS``, else on PyAV; frames
     copied to the host for the resize. A codec neither takes is rejected ``video_codec_needs_gpu``
-    (on a GPU machine, ``video_too_small_for_nvdec``)."""
+    (on a GPU machine, ``video_too_small_for_nvdec``).
+
+    NVDEC's codecs differ by GPU (an H200's takes no AV1 through DALI 2.4): a video NVDEC fails on
+    is redone on the backend a CPU machine would use, and once that decodes it, its codec goes
+    there from then on (``nvdec_refused``)."""
 
     def __init__(self, device_id: int | None = None, num_threads: int = 1, max_batch: int = 4):
         self.device_id, self.num_threads, self.max_batch = device_id, num_threads, max_batch
         self.name = "cpu" if device_id is None else "gpu"
         self._backends: dict[str, _DaliVideo | _PyAVVideo] = {}
+        self.nvdec_refused: set[str] = set()  # codecs NVDEC failed on that another backend decoded
         self._backend("cpu" if device_id is None else "gpu")  # fail fast on a missing DALI or device
 
     def _backend(self, kind: str) -> _DaliVideo | _PyAVVideo:
@@ -197,8 +202,13 @@ class VideoDecoder:
         """Which backend decodes this video here: ``gpu`` (NVDEC), ``cpu`` (DALI's CPU backend),
         ``pyav`` (FFmpeg, where no DALI backend takes it) or None (none can)."""
         least = GPU_CODECS.get(header.codec)
-        if self.device_id is not None and least and header.width >= least[0] and header.height >= least[1]:
+        if (self.device_id is not None and least and header.width >= least[0] and header.height >= least[1]
+                and header.codec not in self.nvdec_refused):
             return "gpu"
+        return self._without_nvdec(header)
+
+    @staticmethod
+    def _without_nvdec(header: VideoHeader) -> str | None:
         if header.codec in CPU_CODECS:
             return "cpu"
         return "pyav" if pyav_decodes(header.codec) else None
@@ -222,7 +232,22 @@ class VideoDecoder:
         for kind, idx in by_backend.items():
             for i, res in zip(idx, self._backend(kind).decode([plans[i] for i in idx])):
                 results[i] = res
+        for i in by_backend.get("gpu", []):
+            if isinstance(results[i], ImageRejected):
+                results[i] = self._after_nvdec_failed(plans[i], results[i])
         return results
+
+    def _after_nvdec_failed(self, plan: VideoPlan, rejected: ImageRejected) -> np.ndarray | ImageRejected:
+        """A video NVDEC failed on, redone where a CPU machine would decode it; NVDEC's reason
+        stands if that fails too (a corrupt video, not a codec NVDEC lacks)."""
+        kind = self._without_nvdec(plan.header)
+        if kind is None:
+            return rejected
+        (frames,) = self._backend(kind).decode([plan])
+        if isinstance(frames, ImageRejected):
+            return rejected
+        self.nvdec_refused.add(plan.header.codec)
+        return frames
 
     def to_pixel_rows(self, plans: list[VideoPlan], vision: VisionSpec,
                       timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:

@@ -182,8 +182,40 @@ def _gpu_decoder_here(device_id: int) -> VideoDecoder:
     """A decoder that routes as one on a GPU machine would, its backends never built: the routing
     rule alone, on a machine with no GPU."""
     decoder = object.__new__(VideoDecoder)
-    decoder.device_id, decoder.name, decoder._backends = device_id, "gpu", {}
+    decoder.device_id, decoder.name, decoder._backends, decoder.nvdec_refused = device_id, "gpu", {}, set()
     return decoder
+
+
+class _NvdecWithout:
+    """In place of the mixed backend on a machine with no GPU: it fails on ``codecs`` as DALI's
+    NVDEC decoder fails on a codec the GPU lacks (an H200's AV1), and on nothing else is it asked."""
+
+    def __init__(self, *codecs: str):
+        self.codecs, self.asked = codecs, []
+
+    def decode(self, plans):
+        self.asked += [p.header.codec for p in plans]
+        assert all(p.header.codec in self.codecs for p in plans)
+        return [ImageRejected("video_corrupt", "video_decoder_base.h:246") for _ in plans]
+
+
+def test_a_codec_nvdec_lacks_is_decoded_where_a_cpu_machine_would_and_goes_there_after(vision, h264):
+    av1 = encode_clip(pan_zoom(_photo("astronaut"), 12, (144, 192)), fps=12, codec="libsvtav1", fmt="mp4")
+    gpu, nvdec = _gpu_decoder_here(0), _NvdecWithout("av1", "h264")
+    gpu._backends["gpu"] = nvdec
+    plan = plan_video(av1, vision, SPEC)
+    assert gpu.route(plan.header) == "gpu"
+    (frames,) = gpu.decode_frames([plan])
+    (want,) = _PyAVVideo().decode([plan])
+    assert isinstance(frames, np.ndarray) and np.array_equal(frames, want)
+    assert gpu.nvdec_refused == {"av1"} and gpu.route(plan.header) == "pyav"
+    gpu.decode_frames([plan])
+    assert nvdec.asked == ["av1"]  # asked once, then never again
+    # A video that fails on NVDEC and on PyAV is bad in itself: NVDEC's reason stands, its codec stays.
+    past_the_end = dataclasses.replace(plan_video(h264, vision, SPEC), indices=(0, 5, 99))
+    (res,) = gpu.decode_frames([past_the_end])
+    assert isinstance(res, ImageRejected) and res.reason == "video_corrupt"
+    assert gpu.nvdec_refused == {"av1"} and gpu.route(past_the_end.header) == "gpu"
 
 
 def test_routes_dali_first_then_pyav_and_needs_gpu_only_where_neither_decodes(monkeypatch, h264, vision):
@@ -204,3 +236,18 @@ def test_routes_dali_first_then_pyav_and_needs_gpu_only_where_neither_decodes(mo
     small = dataclasses.replace(plan, header=dataclasses.replace(plan.header, width=32, height=8))
     (res,) = gpu.decode_frames([small])
     assert isinstance(res, ImageRejected) and res.reason == "video_too_small_for_nvdec"
+
+
+@pytest.mark.gpu
+def test_av1_decodes_on_a_gpu_machine_whatever_its_nvdec_takes(vision):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (device machine: pytest -m gpu)")
+    av1 = encode_clip(pan_zoom(_photo("astronaut"), 12, (144, 192)), fps=12, codec="libsvtav1", fmt="mp4")
+    plan = plan_video(av1, vision, SPEC)
+    gpu = VideoDecoder(device_id=0)
+    (frames,) = gpu.decode_frames([plan])
+    (want,) = _PyAVVideo().decode([plan])
+    assert isinstance(frames, np.ndarray) and frames.shape == want.shape
+    assert np.abs(frames.astype(int) - want).mean() < 3  # NVDEC's colour conversion, or PyAV's own frames
+    assert gpu.route(plan.header) == ("pyav" if "av1" in gpu.nvdec_refused else "gpu")

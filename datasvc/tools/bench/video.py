@@ -176,11 +176,23 @@ def _contenders() -> tuple[dict, dict]:
     return found, absent
 
 
-def _time_row(contenders: dict, clip: dict, wanted: list[int], repeats: int) -> dict:
-    """Each contender's best pass over the clip. Passes alternate between contenders (and which goes
-    first alternates too), so load from elsewhere on a shared machine lands on all of them alike."""
-    for fn in contenders.values():
-        fn(clip, wanted[:2])  # warm-up: first-use costs (pipeline build, codec open) are not decode
+def _time_row(found: dict, clip: dict, wanted: list[int], repeats: int) -> tuple[dict, dict]:
+    """Each contender's best pass over the clip, and why the contenders that take the clip but
+    failed on it did. Passes alternate between contenders (and which goes first alternates too), so
+    load from elsewhere on a shared machine lands on all of them alike."""
+    contenders, failed = {}, {}
+    for name, (fn, takes) in found.items():
+        if not takes(clip["header"]):
+            continue
+        try:
+            fn(clip, wanted[:2])  # warm-up: first-use costs (pipeline build, codec open) are not decode
+        except Exception as exc:
+            failed[name] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        if takes(clip["header"]):
+            contenders[name] = fn
+        else:  # the decoder handed the clip to another backend during the warm-up
+            failed[name] = f"{clip['header'].codec}: refused, decoded elsewhere by the actors' decoder"
     best = {n: [float("inf"), float("inf"), 0] for n in contenders}
     names = list(contenders)
     for rep in range(max(1, repeats)):
@@ -191,7 +203,7 @@ def _time_row(contenders: dict, clip: dict, wanted: list[int], repeats: int) -> 
             b = best[name]
             b[0], b[1], b[2] = min(b[0], wall), min(b[1], cpu), frames
     return {n: {"frames": f, "seconds": round(w, 5), "cpu_s": round(c, 5), "frames_per_s": round(f / w, 1),
-                "frames_per_cpu_s": round(f / max(c, 1e-9), 1)} for n, (w, c, f) in best.items()}
+                "frames_per_cpu_s": round(f / max(c, 1e-9), 1)} for n, (w, c, f) in best.items()}, failed
 
 
 def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 30.0, gop_seconds: float = 2.0,
@@ -213,8 +225,7 @@ def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float =
                 wanted = _frames(clip, mode, spec)
                 row = {"format": clip["fmt"], "size": clip["size"], "mode": mode, "frames_wanted": len(wanted),
                        "results": {}}
-                able = {n: fn for n, (fn, takes) in found.items() if takes(clip["header"])}
-                row["results"] = _time_row(able, clip, wanted, repeats)
+                row["results"], row["failed"] = _time_row(found, clip, wanted, repeats)
                 _ratios(row)
                 rows.append(row)
     return {"kind": "video-decode", "machine": _machine(), "threads": 1, "repeats": repeats,
@@ -284,6 +295,9 @@ def print_video(rep: dict) -> None:
               + f"; DALI CPU / PyAV {s['dali_cpu_over_pyav_geomean']}")
     for name, why in rep["absent"].items():
         print(f"not run: {name}: {why}")
+    for r in rep["rows"]:
+        for name, why in r.get("failed", {}).items():
+            print(f"failed: {name} on {r['format']} {r['size']} ({r['mode']}): {why}")
 
 
 def with_provenance(rep: dict, argv: list[str]) -> dict:
