@@ -124,6 +124,25 @@ _register(Calibration(
     rel_std_errors={'overhead': 0.08, 'text': 0.324, 'vision': 0.147},
 ))
 
+# The full-depth proxy, fitted 2026-12-02 on four runs of 12 steps: only two token counts a step
+# (packed rows of 4k and 8k), so the decoder's rate is pinned loosely (67% standard error); the
+# vision rate and the fixed overhead (FSDP gathers of 48 layers, the optimizer) are pinned to 16% and 9%.
+_register(Calibration(
+    name='h200-depth-proxy-fsdp',
+    text_tflops=435.66,
+    vision_tflops=110.97,
+    step_overhead_s=1.9438,
+    hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
+    setting='30B-A3B depth proxy (48 layers, 16 experts), Megatron-FSDP on one GPU, MBS 1-2, full recompute, 32k-patch vision chunks (what trainer.run picks with no flags)',
+    files=('h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs1-depth-proxy.metrics.jsonl', 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs1-depth-proxy.metrics.jsonl', 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs2-depth-proxy.metrics.jsonl', 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs2-depth-proxy.metrics.jsonl'),
+    commit='2cca975',
+    steps=40,
+    rms_rel_error=0.1358,
+    case_rel_errors={'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs1-depth-proxy.metrics.jsonl': -0.0977, 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs1-depth-proxy.metrics.jsonl': 0.1571, 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs2-depth-proxy.metrics.jsonl': 0.0316, 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs2-depth-proxy.metrics.jsonl': -0.0445},
+    rel_std_errors={'overhead': 0.09, 'text': 0.674, 'vision': 0.162},
+    model='qwen3vl-30b-a3b-depth-proxy',
+))
+
 
 def cost_model(preset: str | None = None, calibration: str | None = None) -> CostModel:
     """The cost model of ``preset`` (default: the measured 4-layer proxy) at ``calibration``'s fitted

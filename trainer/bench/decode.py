@@ -103,6 +103,30 @@ def _streamed(decoder, jobs, spec, per_batch: int, rounds: int = 4) -> int:
     return _synchronized(n)
 
 
+def _stages(decoder, jobs, spec, layout: str, finish, rounds: int = 4) -> int:
+    """The decoder's own stream (its feed and DALI pipeline of ``layout``) with ``finish`` in place of
+    what it does with each output: the stages measured one at a time."""
+    batches = [jobs[i:i + decoder.max_batch] for i in range(0, len(jobs), decoder.max_batch)] * rounds
+    n = 0
+    for out in decoder._stream(batches, layout, spec, finish, lambda rows, job: rows, None):
+        n += len(out)
+    return _synchronized(n)
+
+
+def _stage_paths(t: "_Timings", gpu, jobs, spec) -> None:
+    """Where the streamed path's time goes: DALI's decode + resize from the decoder's feed, + the
+    patch order, + the copy out of DALI's buffer, then the whole path (``stream_pixel_values``)."""
+    import torch
+
+    nothing = lambda out, batch: [None] * len(batch)  # noqa: E731
+    copied = lambda out, batch: [gpu._pixels(out)] * len(batch)  # noqa: E731
+    for name, layout, finish in (("rows_pipeline", "rows", nothing), ("patches_pipeline", "patches", nothing),
+                                 ("patches_pipeline_copy", "patches", copied),
+                                 ("patches_pipeline_normalized", "patches",
+                                  lambda out, batch: gpu._patch_values(out, batch, spec, torch.bfloat16))):
+        t.timed(f"dali_gpu_stage_{name}", lambda: _stages(gpu, jobs, spec, layout, finish), images=4 * len(jobs))
+
+
 def _dali_decode_only(jobs, batch: int, gpu, resize: bool = False):
     """GpuDecoder's decode settings, pipelined over the same batches; outputs stay on the GPU. With
     ``resize``, GpuDecoder's resize too: the DALI pipeline alone, with none of the feeding, patch
@@ -141,6 +165,7 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     """DALI GPU to host rows, to GPU pixel_values, resident and streamed (with variants)."""
     from datasvc.gpudecode import GpuDecoder
 
+    _stage_paths(t, gpu, jobs, spec)
     host_rows = t.timed("dali_gpu_to_host_patches", lambda: gpu.to_pixel_rows(jobs, spec))
     t.timed("dali_gpu_to_gpu_pixel_values", lambda: _to_gpu_pixel_values(gpu.to_pixel_rows(jobs, spec), grids, spec))
     t.timed("dali_gpu_resident_pixel_values", lambda: _synchronized(gpu.to_pixel_values(jobs, spec)))
