@@ -187,6 +187,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
 
     from datasvc.decode import CpuDecoder
     from datasvc.gpudecode import GpuDecoder
+    from datasvc.tools.bench.provenance import commit
 
     spec, jobs = _jobs(n_images)
     mp = sum(j.header.pixels for j in jobs) / 1e6
@@ -210,7 +211,10 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     t.timed("dali_gpu_decode_only", _dali_decode_only(jobs, batch, gpu))
     t.timed("dali_gpu_decode_resize_only", _dali_decode_only(jobs, batch, gpu, resize=True))
 
-    res = {"images": len(jobs), "megapixels": round(mp, 1), "batch": batch, **t.results}
+    res = {"question": "How fast is DALI GPU decode to pixel_values?", "command": "python -m trainer.bench --gpu-decode-only",
+           "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+           "hardware": f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} host cores",
+           "images": len(jobs), "megapixels": round(mp, 1), "batch": batch, **t.results}
     mads = [float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() / 127.5) for a, b in zip(g, c)
             if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)]
     res["gpu_vs_cpu_mean_abs_diff_normalized"] = round(float(np.mean(mads)), 5) if mads else None

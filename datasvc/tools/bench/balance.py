@@ -154,7 +154,7 @@ def _table(results: list[dict]) -> str:
     lines = [head]
     for r in results:
         for role, m in r["models"].items():
-            name = MEASURED + " (fitted)" if role == "proxy" else r["recipe_model"] + " (derived)"
+            name = r.get("fitted_model", MEASURED) + " (fitted)" if role == "proxy" else r["recipe_model"] + " (derived)"
             lines.append(f"| {r['data']} | {r['layout']} | {r['setting']} | {r['micro_batches_per_rank']} | {name} | "
                          f"{m['step_s_off']:.3f} | {m['step_s']:.3f} | {m['gain']:+.1%} | {m['ratio_off']:.3f} | "
                          f"**{m['ratio']:.3f}** | {m['ratio_worst']:.3f} |")
@@ -168,7 +168,8 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = ["proxy", "recipe"]
-    titles = {"proxy": f"{MEASURED}, fitted on the H200", "recipe": "the recipe's model, derived (FLOPs at fitted rates)"}
+    fitted = results[0].get("fitted_model", MEASURED) if results else MEASURED
+    titles = {"proxy": f"{fitted}, fitted on the H200", "recipe": "the recipe's model, derived (FLOPs at fitted rates)"}
     layouts = [lay for lay in ("packed", "padded") if any(r["layout"] == lay for r in results)]
     fig, axes = plt.subplots(len(layouts), len(names), figsize=(6.5 * len(names), 4.8 * len(layouts)), squeeze=False)
     for (li, layout), (ni, name) in itertools.product(enumerate(layouts), enumerate(names)):
@@ -200,19 +201,21 @@ def run_simulation(args) -> dict:
     for data, paths in shards.items():
         pool = sample_pool(paths, pipeline, args.seq_len)
         for layout, st in ((lay, st) for lay in args.layouts for st in SETTINGS):
-            models = {"proxy": balance.cost_model(args.pipeline, MEASURED, args.calibration),
+            models = {"proxy": balance.cost_model(args.pipeline, None, args.calibration),  # the model it was fitted on
                       "recipe": balance.cost_model(args.pipeline, st["recipe_model"], args.calibration)}
             t0 = time.perf_counter()
             res = simulate(pool, st["dp"], st["gbs"], st["mbs"], models, args.steps, args.seq_len, args.seed,
                            packed=layout == "packed")
-            results.append({"data": data, "layout": layout, "samples": len(pool), **st, **res,
+            results.append({"data": data, "layout": layout, "samples": len(pool), "fitted_model": models["proxy"].name,
+                            **st, **res,
                             "seconds": round(time.perf_counter() - t0, 2)})
             print(f"[balance] {data} {layout} {st['setting']}: " + ", ".join(
                 f"{n}: {m['ratio_off']:.3f} -> {m['ratio']:.3f}" for n, m in res["models"].items()), flush=True)
     return {"results": results, "calibration": args.calibration, "max_pixels": args.max_pixels,
             "seq_len": args.seq_len, "steps": args.steps,
             "cost_models": {n: balance.cost_model(args.pipeline, n, args.calibration).as_dict()
-                            for n in sorted({MEASURED} | {st["recipe_model"] for st in SETTINGS})}}
+                            for n in sorted({results[0]["fitted_model"] if results else MEASURED}
+                                            | {st["recipe_model"] for st in SETTINGS})}}
 
 
 def run_fit(args) -> dict:
