@@ -327,11 +327,12 @@ def profile_straggler(shapes: list[MicroBatchShape], dp: int, per_rank: int, mod
             "measured_micro_batches": len(shapes), "cost_model": model.source}
 
 
-def cost_model(pipeline: str, preset: str | None = None, calibration: str | None = None) -> CostModel:
-    """The pipeline's cost model (its fitted coefficients), found by name."""
+def cost_model(pipeline: str, preset: str | None = None, calibration: str | None = None, **options) -> CostModel:
+    """The pipeline's cost model (its fitted coefficients), found by name; ``options`` are the
+    pipeline's own (a model's overrides, say)."""
     from datasvc.registry import pipeline_module
 
     module = pipeline_module(pipeline)
     if not hasattr(module, "cost_model"):
         raise ValueError(f"pipeline {pipeline!r} has no cost model; balancing needs one (cost_model in its package)")
-    return module.cost_model(preset=preset, calibration=calibration)
+    return module.cost_model(preset=preset, calibration=calibration, **options)

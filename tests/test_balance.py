@@ -227,7 +227,7 @@ def test_shape_of_a_packed_micro_batch_matches_its_plan(mixed):
 def test_qwen3vl_calibrations_say_where_they_came_from():
     from pipelines.qwen3vl.cost import CALIBRATIONS
 
-    assert {"h200-3d", "h200-3d-recompute", "h200-fsdp"} <= set(CALIBRATIONS)
+    assert {"h200-3d", "h200-3d-recompute", "h200-fsdp", "h200-depth-proxy-fsdp"} <= set(CALIBRATIONS)
     for c in CALIBRATIONS.values():
         assert "H200" in c.hardware and c.commit and c.steps > 20
         assert all((ROOT / "docs" / "results" / f).exists() for f in c.files)
@@ -465,18 +465,35 @@ def test_step_inputs_count_attention_per_image_per_temporal_group_and_per_sample
     assert vision_patches_sq(text_only) == 0 and sample_tokens_sq(text_only) == 16
 
 
-def test_a_calibration_prices_its_own_model_as_fitted_and_others_as_derived(monkeypatch):
-    import dataclasses
-
+def test_a_calibration_prices_its_own_model_as_fitted_and_others_as_derived():
     from pipelines.qwen3vl import cost
 
-    depth = dataclasses.replace(cost.CALIBRATIONS["h200-3d"], name="depth-test", model="qwen3vl-30b-a3b-depth-proxy")
-    monkeypatch.setitem(cost.CALIBRATIONS, "depth-test", depth)
-    own = cost.cost_model(calibration="depth-test")
+    own = cost.cost_model(calibration="h200-depth-proxy-fsdp")
     assert own.name == "qwen3vl-30b-a3b-depth-proxy" and own.source.endswith("fitted on this model")
-    other = cost.cost_model(cost.MEASURED_PRESET, calibration="depth-test")
+    other = cost.cost_model(cost.MEASURED_PRESET, calibration="h200-depth-proxy-fsdp")
     assert other.name == cost.MEASURED_PRESET and "rates fitted on qwen3vl-30b-a3b-depth-proxy" in other.source
     assert own.decoder_per_token > 4 * other.decoder_per_token  # 48 decoder layers against 4, same embeddings
+    # The trainer's 4-layer proxy, spelled as the preset with its override, is the model the 3d runs fitted.
+    assert cost.cost_model("qwen3vl-30b-a3b", "h200-3d", num_layers=4) == cost.cost_model(calibration="h200-3d")
+
+
+@pytest.mark.parametrize("strategy,recompute,calibration", [("3d", False, "h200-3d"), ("3d", True, "h200-3d-recompute"),
+                                                            ("fsdp", False, "h200-fsdp"),
+                                                            ("fsdp", True, "h200-depth-proxy-fsdp")])
+def test_trainer_balances_with_the_calibration_of_its_setting_at_its_models_flops(strategy, recompute, calibration):
+    from trainer.config import from_args
+    from trainer.job import balance_cost
+    from trainer.run import parse_args
+
+    flags = ["qwen3vl", "--strategy", strategy, "--model-preset", "qwen3vl-30b-a3b-depth-proxy", "--balance-dp"]
+    options = balance_cost(from_args(parse_args(flags + (["--recompute", "full"] if recompute else []))))
+    assert options["calibration"] == calibration and options["preset"] == "qwen3vl-30b-a3b-depth-proxy"
+    model = balance.cost_model("qwen3vl", **options)  # what every feeder builds from the config
+    assert model.name == "qwen3vl-30b-a3b-depth-proxy"
+    assert ("fitted on this model" in model.source) == (calibration == "h200-depth-proxy-fsdp")
+    frozen = balance.cost_model("qwen3vl", **{**options, "vision_trainable": False})
+    assert frozen.vision_per_patch == pytest.approx(model.vision_per_patch / 3)  # forward only: 2 of 6 FLOPs
+    assert frozen.decoder_per_token == model.decoder_per_token
 
 
 def test_the_cost_model_is_checked_against_recorded_steps_it_was_not_fitted_on():

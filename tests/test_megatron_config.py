@@ -511,6 +511,7 @@ def test_timed_forward_step_keeps_the_signature_bridge_injects_state_by():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
 def test_forward_clock_times_each_forward_once_per_drain():
     from trainer.megatron.metrics import ForwardClock
 

@@ -241,6 +241,7 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
                              cpu_jpeg_decoder=args.cpu_jpeg_decoder,
                              min_actors=args.data_actors[0], max_actors=args.data_actors[1],
                              items_per_block=args.items_per_block or 1, balance_dp=args.balance_dp,
+                             balance_cost=balance_cost(cfg) if args.balance_dp else {},
                              sizes_index=args.sizes_index,
                              micro_batches_per_step=cfg.train.gbs // (cfg.train.mbs * layout0.dp_size))
     if args.items_per_block is not None:
@@ -249,6 +250,16 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
     log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
              data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
     return data_cfg, sizing
+
+
+def balance_cost(cfg: TrainerConfig) -> dict:
+    """The cost model the feeders deal micro-batches with: fitted on the nearest setting, at this
+    model's FLOPs (``pipelines.qwen3vl.cost``)."""
+    from pipelines.qwen3vl.cost import options_for_training
+
+    m = cfg.model
+    return options_for_training(m.preset, m.num_layers, m.num_experts, cfg.parallel.strategy,
+                                recompute=cfg.recompute.granularity == "full", freeze_vision=m.freeze_vision_model)
 
 
 # ------------------------------------------------------------------------------------------------

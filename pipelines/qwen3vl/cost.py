@@ -144,9 +144,15 @@ _register(Calibration(
 ))
 
 
-def cost_model(preset: str | None = None, calibration: str | None = None) -> CostModel:
-    """The cost model of ``preset`` (default: the measured 4-layer proxy) at ``calibration``'s fitted
-    rates (default: 3d, no recompute). Presets: flops.PRESETS names or ``qwen3vl-30b-a3b-4layer``."""
+def cost_model(preset: str | None = None, calibration: str | None = None, num_layers: int | None = None,
+               num_experts: int | None = None, vision_trainable: bool = True) -> CostModel:
+    """The cost model of ``preset`` (default: the calibration's own model) at ``calibration``'s fitted
+    rates (default: 3d, no recompute). Presets: flops.PRESETS names or ``qwen3vl-30b-a3b-4layer``;
+    ``num_layers`` and ``num_experts`` override the preset's, as the trainer's proxies do, and a frozen
+    tower (``vision_trainable=False``) costs its forward only. A model other than the calibration's
+    gets its rates through its own FLOPs (derived)."""
+    import dataclasses
+
     from pipelines.qwen3vl.flops import PRESETS
 
     name = calibration or "h200-3d"
@@ -156,7 +162,31 @@ def cost_model(preset: str | None = None, calibration: str | None = None) -> Cos
     preset = preset or c.model
     if preset != MEASURED_PRESET and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose {MEASURED_PRESET} or one of {', '.join(PRESETS)}")
-    return from_rates(model_spec(preset), c, derived=preset != c.model)
+    model = model_spec(preset)
+    if num_layers or num_experts:
+        if preset == MEASURED_PRESET:
+            raise ValueError(f"{MEASURED_PRESET} is already a proxy: give its preset, qwen3vl-30b-a3b, with the overrides")
+        model = from_arch(f"{preset}-{num_layers or 'all'}layers-{num_experts or 'all'}experts",
+                          arch(preset, num_layers=num_layers, num_experts=num_experts))
+    fitted = model_spec(c.model)
+    same = dataclasses.replace(model, name=fitted.name) == fitted
+    if same:
+        model = fitted
+    model = dataclasses.replace(model, vision_trainable=vision_trainable)
+    return from_rates(model, c, derived=not same or not vision_trainable)
+
+
+def options_for_training(preset: str, num_layers: int | None, num_experts: int | None, strategy: str,
+                         recompute: bool, freeze_vision: bool) -> dict:
+    """``cost_model`` options for a training setting (what ``trainer.run --balance-dp`` hands the
+    feeders): the calibration fitted on the nearest strategy and recompute choice, at the trained
+    model's own FLOPs. Megatron-FSDP with recompute was fitted on the full-depth proxy only."""
+    if strategy == "fsdp":
+        calibration = "h200-depth-proxy-fsdp" if recompute else "h200-fsdp"
+    else:
+        calibration = "h200-3d-recompute" if recompute else "h200-3d"
+    return {"preset": preset, "calibration": calibration, "num_layers": num_layers, "num_experts": num_experts,
+            "vision_trainable": not freeze_vision}
 
 
 def model_spec(preset: str) -> ModelSpec:
