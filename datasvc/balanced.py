@@ -135,7 +135,7 @@ class BalancedProducer:
                 "accounting": acct.as_dict(), "stages": self.times.as_dict(), **self.stream.as_dict(),
                 "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
                                for r in acct.log[-50:]],
-                "balance": {"steps": len(ratios), "cost_model": self.model.source,
+                "balance": {"steps": len(ratios), "model": self.model.name, "cost_model": self.model.source,
                             "sizes_index": {"built": self.sizes.built, "loaded": self.sizes.loaded}
                             if self.sizes else None,
                             "straggler_ratio": float(ratios[:, 1].mean()) if len(ratios) else None,
