@@ -110,8 +110,12 @@ class GpuDecoder:
     # DALI's 0.65); 4 chunks in flight stream 1.19x faster than 2 (docs/benchmarks.md, GPU decode).
     def __init__(self, device_id: int | None = 0, num_threads: int = 4, max_batch: int = 64,
                  hw_decoder_load: float = 0.9, prefetch: int = 4):
+        import nvidia.dali  # noqa: F401  (missing DALI fails here, not at the first batch)
         import torch
 
+        if device_id is not None and device_id >= torch.cuda.device_count():
+            raise ValueError(f"GPU decode on CUDA device {device_id}, but this process sees "
+                             f"{torch.cuda.device_count()}: use --decode cpu, or give the actors a GPU")
         self.max_batch, self.prefetch = max_batch, prefetch
         self.device_id, self.num_threads, self.hw_decoder_load = device_id, num_threads, hw_decoder_load
         self._torch_device = torch.device("cpu" if device_id is None else f"cuda:{device_id}")

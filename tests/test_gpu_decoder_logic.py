@@ -60,6 +60,12 @@ def normalized(rows: np.ndarray, job: DecodeJob, dtype=torch.bfloat16) -> torch.
     return to_pixel_values(torch.from_numpy(rows), SPEC, [job.grid(SPEC)], dtype)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_gpu_decode_without_a_gpu_fails_at_construction_with_what_to_change():
+    with pytest.raises(ValueError, match="use --decode cpu"):
+        GpuDecoder(device_id=0)
+
+
 def test_patches_match_cpu_backend(blobs, decoders):
     gpu, cpu = decoders
     ours, ref = preprocess_images(blobs, SPEC, gpu), preprocess_images(blobs, SPEC, cpu)
