@@ -21,7 +21,7 @@ import numpy as np
 from datasvc.decode import CpuDecoder, DecodeJob, Timer, _needs_pil
 from datasvc.imagefile import orient
 from datasvc.vision import (PATCH_ORDER, ImageRejected, VisionSpec, normalize_into, patch_grid_shape,
-                            raster_from_patches, repeat_frames, to_pixel_values)
+                            patch_order_shape, raster_from_patches, repeat_frames, to_pixel_values)
 
 Layout = Literal["rows", "patches"]
 """What a pipeline outputs per image: ``rows``, the resized image in raster order (what the service
@@ -287,17 +287,14 @@ class GpuDecoder:
         for job, shape in zip(jobs, shapes):
             count = int(np.prod(shape)) // spec.patch_dim
             mine = values[first:first + count]
-            grid = patch_grid_shape(*job.decode_hw, spec)
-            if shape != tuple(grid[i] for i in PATCH_ORDER):
-                results.append(ImageRejected("corrupt_image", f"decoded patches {shape} != target {job.decode_hw}"))
+            if shape != patch_order_shape(*job.decode_hw, spec):
+                mine = ImageRejected("corrupt_image", f"decoded patches {shape} != target {job.decode_hw}")
             elif job.header.orientation != 1:
                 stored = raster_from_patches(pixels[first * spec.patch_dim:(first + count) * spec.patch_dim],
                                              spec, *job.decode_hw)
                 upright = orient(stored, job.header.orientation).view(-1, spec.patch_dim)
                 mine.copy_(to_pixel_values(upright, spec, [job.grid(spec)], dtype))
-                results.append(mine)
-            else:
-                results.append(mine)
+            results.append(mine)
             first += count
         return results
 

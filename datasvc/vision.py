@@ -111,6 +111,12 @@ def patch_grid_shape(height: int, width: int, spec: VisionSpec, channels: int = 
     return height // p // m, m, p, width // p // m, m, p, channels
 
 
+def patch_order_shape(height: int, width: int, spec: VisionSpec) -> tuple[int, ...]:
+    """An HWC image's pixels in the HF row order, shaped [gh/m, gw/m, m, m, C, P, P]."""
+    grid = patch_grid_shape(height, width, spec)
+    return tuple(grid[i] for i in PATCH_ORDER)
+
+
 def _patch_view(image, spec: VisionSpec):
     """HWC image -> a strided view [gh/m, gw/m, m, m, C, P, P] in the HF processor's row order:
     merge windows row-major, the m x m patches of a window consecutive, then channel-major patch
@@ -123,8 +129,7 @@ def _patch_view(image, spec: VisionSpec):
 def raster_from_patches(patches, spec: VisionSpec, height: int, width: int):
     """``patchify``'s inverse: an image's rows in the HF order -> its HWC image (a fresh tensor or
     array)."""
-    p, m = spec.patch_size, spec.merge_size
-    x = patches.reshape(height // p // m, width // p // m, m, m, 3, p, p)
+    x = patches.reshape(patch_order_shape(height, width, spec))
     x = x.transpose(_RASTER_ORDER) if isinstance(x, np.ndarray) else x.permute(_RASTER_ORDER)
     return (np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()).reshape(height, width, 3)
 

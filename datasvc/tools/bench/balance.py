@@ -36,7 +36,6 @@ SETTINGS = (
     {"setting": "235B-A22B recipe GBS, DP 512", "dp": 512, "gbs": 1024, "mbs": 1, "recipe_model": "qwen3vl-235b-a22b"},
     {"setting": "DP 512, GBS 4096", "dp": 512, "gbs": 4096, "mbs": 1, "recipe_model": "qwen3vl-235b-a22b"},
 )
-MEASURED = "qwen3vl-30b-a3b-4layer"
 
 
 # ---- samples --------------------------------------------------------------------------------------
@@ -154,7 +153,7 @@ def _table(results: list[dict]) -> str:
     lines = [head]
     for r in results:
         for role, m in r["models"].items():
-            name = r.get("fitted_model", MEASURED) + " (fitted)" if role == "proxy" else r["recipe_model"] + " (derived)"
+            name = r["fitted_model"] + " (fitted)" if role == "proxy" else r["recipe_model"] + " (derived)"
             lines.append(f"| {r['data']} | {r['layout']} | {r['setting']} | {r['micro_batches_per_rank']} | {name} | "
                          f"{m['step_s_off']:.3f} | {m['step_s']:.3f} | {m['gain']:+.1%} | {m['ratio_off']:.3f} | "
                          f"**{m['ratio']:.3f}** | {m['ratio_worst']:.3f} |")
@@ -168,8 +167,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = ["proxy", "recipe"]
-    fitted = results[0].get("fitted_model", MEASURED) if results else MEASURED
-    titles = {"proxy": f"{fitted}, fitted on the H200", "recipe": "the recipe's model, derived (FLOPs at fitted rates)"}
+    titles = {"proxy": f"{results[0]['fitted_model']}, fitted on the H200", "recipe": "the recipe's model, derived (FLOPs at fitted rates)"}
     layouts = [lay for lay in ("packed", "padded") if any(r["layout"] == lay for r in results)]
     fig, axes = plt.subplots(len(layouts), len(names), figsize=(6.5 * len(names), 4.8 * len(layouts)), squeeze=False)
     for (li, layout), (ni, name) in itertools.product(enumerate(layouts), enumerate(names)):
@@ -197,16 +195,16 @@ def run_simulation(args) -> dict:
 
     pipeline = get_pipeline(args.pipeline, max_pixels=args.max_pixels)
     shards = datasets(args.work_dir, args.synth_samples)
+    fitted = balance.cost_model(args.pipeline, None, args.calibration)  # the model the calibration was fitted on
     results = []
     for data, paths in shards.items():
         pool = sample_pool(paths, pipeline, args.seq_len)
         for layout, st in ((lay, st) for lay in args.layouts for st in SETTINGS):
-            models = {"proxy": balance.cost_model(args.pipeline, None, args.calibration),  # the model it was fitted on
-                      "recipe": balance.cost_model(args.pipeline, st["recipe_model"], args.calibration)}
+            models = {"proxy": fitted, "recipe": balance.cost_model(args.pipeline, st["recipe_model"], args.calibration)}
             t0 = time.perf_counter()
             res = simulate(pool, st["dp"], st["gbs"], st["mbs"], models, args.steps, args.seq_len, args.seed,
                            packed=layout == "packed")
-            results.append({"data": data, "layout": layout, "samples": len(pool), "fitted_model": models["proxy"].name,
+            results.append({"data": data, "layout": layout, "samples": len(pool), "fitted_model": fitted.name,
                             **st, **res,
                             "seconds": round(time.perf_counter() - t0, 2)})
             print(f"[balance] {data} {layout} {st['setting']}: " + ", ".join(
@@ -214,8 +212,7 @@ def run_simulation(args) -> dict:
     return {"results": results, "calibration": args.calibration, "max_pixels": args.max_pixels,
             "seq_len": args.seq_len, "steps": args.steps,
             "cost_models": {n: balance.cost_model(args.pipeline, n, args.calibration).as_dict()
-                            for n in sorted({results[0]["fitted_model"] if results else MEASURED}
-                                            | {st["recipe_model"] for st in SETTINGS})}}
+                            for n in sorted({fitted.name} | {st["recipe_model"] for st in SETTINGS})}}
 
 
 def run_fit(args) -> dict:
