@@ -1,11 +1,11 @@
 """DALI ``mixed`` decode (hardware JPEG decoder, nvJPEG) and resize on the GPU, to uint8 pixel rows
 in host memory or straight to normalized ``pixel_values`` on the GPU.
 
-Stages of one DALI batch (a *chunk*): feed the encoded bytes and target sizes, decode, resize, and,
-for ``pixel_values``, put every image's pixels in the HF patch order inside the pipeline (a
-per-image reshape and one batched transpose); then one copy out of DALI's buffer and one
-normalize-and-cast kernel for the whole chunk. Chunks are filled from the caller's batches in
-order, so a stream of small micro-batches decodes in wide DALI batches.
+Stages of one DALI batch (a *chunk*): feed the encoded bytes and target sizes, decode, resize to
+raster pixel rows, one copy out of DALI's buffer; then, for ``pixel_values``, one fused kernel for
+the whole chunk that reads every image's patch order in place, normalizes, casts and writes every
+frame (``vision.to_pixel_values``). Chunks are filled from the caller's batches in order, so a
+stream of small micro-batches decodes in wide DALI batches.
 """
 from __future__ import annotations
 
@@ -14,48 +14,48 @@ import ctypes
 import itertools
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from datasvc.decode import CpuDecoder, DecodeJob, Timer, _needs_pil
 from datasvc.imagefile import orient
-from datasvc.vision import (PATCH_ORDER, ImageRejected, VisionSpec, normalize_into, patch_grid_shape,
-                            patch_order_shape, raster_from_patches, repeat_frames, to_pixel_values)
-
-Layout = Literal["rows", "patches"]
-"""What a pipeline outputs per image: ``rows``, the resized image in raster order (what the service
-ships to the host); ``patches``, the same pixels in the HF patch order (what ``pixel_values`` needs)."""
+from datasvc.vision import ImageRejected, VisionSpec, to_pixel_values
 
 Chunk = list  # [(slot, job indices of that slot)], at most ``max_batch`` images in all
 
 
 class _Feed:
     """The external source of one pipeline. DALI pulls chunks from ``chunks`` lazily while it
-    prefetches; each chunk handed over waits in ``fed`` until its output comes out, so after a
+    prefetches; each chunk handed over waits in ``fed``, with the arrays DALI was given for it,
+    until its output comes out: DALI reads those arrays where they lie (no_copy), and after a
     failure the prefetched chunks can be fed to a fresh pipeline.
 
     DALI calls ``iter()`` at build and after each ``reset()``; the generator reads ``chunks`` only
     when the pipeline first pulls from it, so a stream sets ``chunks`` and then runs the epoch.
     """
 
-    def __init__(self, layout: Layout):
-        self.layout = layout
-        self.spec: VisionSpec | None = None  # the stream's, for the patch layout's per-image shape
+    def __init__(self):
         self.chunks: Iterator[Chunk] = iter(())
-        self.fed: collections.deque[Chunk] = collections.deque()
+        self.fed: collections.deque[tuple[Chunk, tuple]] = collections.deque()
 
     def __iter__(self):
         for chunk in self.chunks:
-            self.fed.append(chunk)
             jobs = _jobs(chunk)
-            encoded = [np.frombuffer(j.data, dtype=np.uint8) for j in jobs]
-            sizes = [np.array(j.decode_hw, dtype=np.float32) for j in jobs]  # fn.resize wants [H, W]
-            if self.layout == "rows":
-                yield encoded, sizes
-            else:
-                yield encoded, sizes, [np.array(patch_grid_shape(*j.decode_hw, self.spec), dtype=np.int32)
-                                       for j in jobs]
+            inputs = ([np.frombuffer(j.data, dtype=np.uint8) for j in jobs],
+                      [np.array(j.decode_hw, dtype=np.float32) for j in jobs])  # fn.resize wants [H, W]
+            self.fed.append((chunk, inputs))
+            yield inputs
+
+    def start(self, chunks: Iterator[Chunk]) -> None:
+        self.chunks, self.fed = chunks, collections.deque()
+
+    def out(self) -> Chunk:
+        """The chunk whose output the pipeline just gave (or raised on): outputs come in order."""
+        return self.fed.popleft()[0]
+
+    def unfinished(self) -> list[Chunk]:
+        return [chunk for chunk, _ in self.fed]
 
 
 def _jobs(chunk: Chunk) -> list[DecodeJob]:
@@ -91,8 +91,7 @@ class _Slot:
 class GpuDecoder:
     """DALI ``mixed`` decode and resize on the GPU. ``to_pixel_rows`` copies uint8 pixel rows to the
     host once per chunk (one pinned copy); ``to_pixel_values`` and ``stream_pixel_values`` keep
-    everything on the GPU, with the patch order made by DALI and one kernel per chunk normalizing
-    and casting it into ``pixel_values``.
+    everything on the GPU, one kernel per chunk making ``pixel_values`` of its rows.
 
     The DALI pipeline runs asynchronously and pipelined, ``prefetch`` chunks in flight. A call is one
     DALI epoch, so the pipeline fills and drains once per call; ``stream_pixel_values`` keeps one
@@ -100,7 +99,7 @@ class GpuDecoder:
     the GPU decoder cannot take (CMYK, 16-bit, palette, alpha) and any chunk DALI rejects go to the
     CPU backend, which isolates the bad image and names the reason.
 
-    ``device_id=None`` runs the same pipelines with DALI's CPU operators and torch on the CPU: slow,
+    ``device_id=None`` runs the same pipeline with DALI's CPU operators and torch on the CPU: slow,
     but it lets machines without a GPU test the batching, recovery and pixel layout.
     """
 
@@ -109,7 +108,7 @@ class GpuDecoder:
     # Load 0.9 sends most JPEGs to the H200's hardware decoder (8,712 img/s decode-only, 2,776 at
     # DALI's 0.65); 4 chunks in flight stream 1.08x faster than 2 (docs/benchmarks.md, GPU decode).
     def __init__(self, device_id: int | None = 0, num_threads: int = 4, max_batch: int = 64,
-                 hw_decoder_load: float = 0.9, prefetch: int = 4):
+                 hw_decoder_load: float = 0.9, prefetch: int = 4, copy_encoded: bool = False):
         import nvidia.dali  # noqa: F401  (missing DALI fails here, not at the first batch)
         import torch
 
@@ -117,16 +116,19 @@ class GpuDecoder:
             raise ValueError(f"GPU decode on CUDA device {device_id}, but this process sees "
                              f"{torch.cuda.device_count()}: use --decode cpu, or give the actors a GPU")
         self.max_batch, self.prefetch = max_batch, prefetch
+        # False hands DALI the encoded bytes where they lie (external_source no_copy): the feed keeps
+        # each chunk's jobs, so their bytes, until its output is out, as no_copy requires.
+        self.copy_encoded = copy_encoded
         self.device_id, self.num_threads, self.hw_decoder_load = device_id, num_threads, hw_decoder_load
         self._torch_device = torch.device("cpu" if device_id is None else f"cuda:{device_id}")
         self._cpu = CpuDecoder(num_threads=num_threads, max_batch=max_batch)
-        self._pipes: dict[str, tuple] = {}  # layout -> (DALI pipeline, its feed), built on first use
+        self._pipeline: tuple | None = None  # (DALI pipeline, its feed), built on first use
         self._lock = threading.Lock()
 
-    def _build(self, layout: Layout, feed: _Feed | None = None):
+    def _build(self, feed: _Feed | None = None):
         from nvidia.dali import fn, pipeline_def, types
 
-        feed = feed or _Feed(layout)
+        feed = feed or _Feed()
         on_gpu = self.device_id is not None
         decode_opts = {"device": "mixed", "hw_decoder_load": self.hw_decoder_load} if on_gpu else {"device": "cpu"}
         decode_opts["adjust_orientation"] = False  # the header's orientation is applied after the resize
@@ -134,24 +136,17 @@ class GpuDecoder:
         @pipeline_def(batch_size=self.max_batch, num_threads=self.num_threads, device_id=self.device_id,
                       exec_async=True, exec_pipelined=True, prefetch_queue_depth=self.prefetch)
         def decode_pipeline():
-            dtypes = [types.UINT8, types.FLOAT] + ([] if layout == "rows" else [types.INT32])
-            inputs = fn.external_source(source=feed, cycle="raise", num_outputs=len(dtypes), batch=True, dtype=dtypes)
-            images = fn.decoders.image(inputs[0], output_type=types.RGB, **decode_opts)
-            images = fn.resize(images, size=inputs[1], interp_type=types.INTERP_CUBIC, antialias=True,
-                               dtype=types.UINT8)
-            if layout == "rows":
-                return images
-            return fn.transpose(fn.reshape(images, shape=inputs[2]), perm=list(PATCH_ORDER))
+            encoded, sizes = fn.external_source(source=feed, cycle="raise", num_outputs=2, batch=True,
+                                                dtype=[types.UINT8, types.FLOAT], no_copy=not self.copy_encoded)
+            images = fn.decoders.image(encoded, output_type=types.RGB, **decode_opts)
+            return fn.resize(images, size=sizes, interp_type=types.INTERP_CUBIC, antialias=True, dtype=types.UINT8)
 
         pipe = decode_pipeline()
         pipe.build()
-        self._pipes[layout] = (pipe, feed)
+        self._pipeline = (pipe, feed)
         return pipe, feed
 
-    def _pipe(self, layout: Layout):
-        return self._pipes.get(layout) or self._build(layout)
-
-    def _stream(self, batches: Iterable[list[DecodeJob]], layout: Layout, spec: VisionSpec, finish: Callable,
+    def _stream(self, batches: Iterable[list[DecodeJob]], spec: VisionSpec, finish: Callable,
                 cpu_finish: Callable, timer: Timer | None) -> Iterator[list]:
         """One DALI epoch over ``batches`` (pulled lazily, the chunks in flight ahead of the consumer);
         yields per batch, in order, ``finish(dali_output, jobs)`` spread over its jobs, with the
@@ -180,9 +175,9 @@ class GpuDecoder:
             return slot.results
 
         with self._lock:
-            pipe, feed = self._pipe(layout)
+            pipe, feed = self._pipeline or self._build()
             pending = chunks()
-            feed.chunks, feed.fed, feed.spec = pending, collections.deque(), spec
+            feed.start(pending)
             clean = False
             try:
                 t0 = time.perf_counter()
@@ -198,15 +193,14 @@ class GpuDecoder:
                     except StopIteration:
                         break
                     except RuntimeError:
-                        for slot, idx in feed.fed.popleft():  # outputs come in order: the oldest raised
+                        for slot, idx in feed.out():
                             slot.fail(idx)
                         # A DALI pipeline that raised stays broken: a fresh one takes the chunks it
                         # had prefetched, then the rest of the stream.
-                        feed.chunks = itertools.chain(list(feed.fed), pending)
-                        feed.fed = collections.deque()
-                        pipe, feed = self._build(layout, feed)
+                        feed.start(itertools.chain(feed.unfinished(), pending))
+                        pipe, feed = self._build(feed)
                         continue
-                    chunk = feed.fed.popleft()
+                    chunk = feed.out()
                     results, first = finish(out, _jobs(chunk)), 0
                     for slot, idx in chunk:
                         slot.fill(idx, results[first:first + len(idx)])
@@ -219,7 +213,7 @@ class GpuDecoder:
                 if not clean:
                     # Abandoned mid-stream or our own code raised: the pipeline still holds
                     # prefetched chunks of this stream.
-                    self._build(layout)
+                    self._build()
 
     def _pixels(self, out) -> tuple:
         """A DALI output batch copied into one flat uint8 tensor on the decoder's device, and the
@@ -236,8 +230,9 @@ class GpuDecoder:
             out.copy_to_external(ctypes.c_void_p(pixels.data_ptr()))
         return pixels, shapes
 
-    def _host_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
-        """A ``rows`` chunk -> each image's uint8 pixel rows in host memory, oriented, or why not."""
+    def _device_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> tuple:
+        """A chunk -> (its images' uint8 pixel rows on the decoder's device, each oriented, and per
+        job its (first, end) rows in them or why it has none)."""
         import torch
 
         pixels, shapes = self._pixels(out)
@@ -254,9 +249,14 @@ class GpuDecoder:
                 rows += len(parts[-1])
             offset += h * w * c
         if len(parts) == len(jobs) and not relaid:  # the usual case: the chunk's pixels are already its rows
-            rows = pixels.view(-1, spec.patch_dim)
-        else:
-            rows = torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))
+            return pixels.view(-1, spec.patch_dim), spans
+        return (torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))), spans
+
+    def _host_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:
+        """A chunk -> each image's uint8 pixel rows in host memory, oriented, or why not."""
+        import torch
+
+        rows, spans = self._device_rows(out, jobs, spec)
         if rows.is_cuda:
             # A fresh pinned block per chunk, not one reused staging buffer plus a pageable copy: torch
             # caches freed pinned blocks, so once a caller (an actor handing rows to Ray) drops a batch
@@ -269,38 +269,17 @@ class GpuDecoder:
         array = rows.numpy()
         return [s if isinstance(s, ImageRejected) else array[s[0]:s[1]] for s in spans]
 
-    def _patch_values(self, out, jobs: list[DecodeJob], spec: VisionSpec, dtype) -> list:
-        """A ``patches`` chunk -> each image's ``pixel_values``, views into one tensor for the chunk:
-        one normalize-and-cast kernel for all of it, and one frame copy. An image with an EXIF
-        orientation was patched in its stored frame: it alone is turned upright and redone."""
-        import torch
-
-        pixels, shapes = self._pixels(out)
-        n, pp = pixels.numel() // spec.patch_dim, spec.patch_size * spec.patch_size
-        values = torch.empty((n, 3, spec.temporal_patch_size, pp), dtype=dtype, device=pixels.device)
-        normalize_into(values[:, :, 0], pixels.view(n, 3, pp), spec, channel_dim=1)
-        # then one copy of frame 0 onto the others: one kernel writing every frame from a broadcast
-        # of the pixels streamed at 0.74x the copied chunks' rate, this at 0.89x (H200, GPU decode)
-        repeat_frames(values, spec)
-        values = values.view(n, spec.pixel_values_dim)
-        results, first = [], 0
-        for job, shape in zip(jobs, shapes):
-            count = int(np.prod(shape)) // spec.patch_dim
-            mine = values[first:first + count]
-            if shape != patch_order_shape(*job.decode_hw, spec):
-                mine = ImageRejected("corrupt_image", f"decoded patches {shape} != target {job.decode_hw}")
-            elif job.header.orientation != 1:
-                stored = raster_from_patches(pixels[first * spec.patch_dim:(first + count) * spec.patch_dim],
-                                             spec, *job.decode_hw)
-                upright = orient(stored, job.header.orientation).view(-1, spec.patch_dim)
-                mine.copy_(to_pixel_values(upright, spec, [job.grid(spec)], dtype))
-            results.append(mine)
-            first += count
-        return results
+    def _values(self, out, jobs: list[DecodeJob], spec: VisionSpec, dtype) -> list:
+        """A chunk -> each image's ``pixel_values``, views into one tensor made by one
+        ``to_pixel_values`` of the chunk's rows (on a GPU, one fused kernel launch)."""
+        rows, spans = self._device_rows(out, jobs, spec)
+        grids = [job.grid(spec) for job, s in zip(jobs, spans) if not isinstance(s, ImageRejected)]
+        values = to_pixel_values(rows, spec, grids, dtype)
+        return [s if isinstance(s, ImageRejected) else values[s[0]:s[1]] for s in spans]
 
     def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
                       timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        stream = self._stream([jobs], "rows", spec, lambda out, batch: self._host_rows(out, batch, spec),
+        stream = self._stream([jobs], spec, lambda out, batch: self._host_rows(out, batch, spec),
                               lambda rows, job: rows, timer)
         return [r for batch in stream for r in batch]
 
@@ -324,7 +303,7 @@ class GpuDecoder:
         import torch
 
         dtype = torch.bfloat16 if dtype is None else dtype
-        return self._stream(batches, "patches", spec, lambda out, batch: self._patch_values(out, batch, spec, dtype),
+        return self._stream(batches, spec, lambda out, batch: self._values(out, batch, spec, dtype),
                             lambda rows, job: to_pixel_values(torch.from_numpy(rows).to(self._torch_device), spec,
                                                               [job.grid(spec)], dtype),
                             timer)

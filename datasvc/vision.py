@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,19 +103,12 @@ def pixel_rows(image, spec: VisionSpec):
 
 PATCH_ORDER = (0, 3, 1, 4, 6, 2, 5)
 """The permutation of ``patch_grid_shape`` that puts an image's pixels in the HF row order."""
-_RASTER_ORDER = tuple(int(i) for i in np.argsort(PATCH_ORDER))
 
 
 def patch_grid_shape(height: int, width: int, spec: VisionSpec, channels: int = 3) -> tuple[int, ...]:
     """An HWC image's shape split into [gh/m, m, P, gw/m, m, P, C]: what ``PATCH_ORDER`` permutes."""
     p, m = spec.patch_size, spec.merge_size
     return height // p // m, m, p, width // p // m, m, p, channels
-
-
-def patch_order_shape(height: int, width: int, spec: VisionSpec) -> tuple[int, ...]:
-    """An HWC image's pixels in the HF row order, shaped [gh/m, gw/m, m, m, C, P, P]."""
-    grid = patch_grid_shape(height, width, spec)
-    return tuple(grid[i] for i in PATCH_ORDER)
 
 
 def _patch_view(image, spec: VisionSpec):
@@ -124,14 +118,6 @@ def _patch_view(image, spec: VisionSpec):
     height, width, channels = image.shape
     x = image.reshape(patch_grid_shape(height, width, spec, channels))
     return x.transpose(PATCH_ORDER) if isinstance(x, np.ndarray) else x.permute(PATCH_ORDER)
-
-
-def raster_from_patches(patches, spec: VisionSpec, height: int, width: int):
-    """``patchify``'s inverse: an image's rows in the HF order -> its HWC image (a fresh tensor or
-    array)."""
-    x = patches.reshape(patch_order_shape(height, width, spec))
-    x = x.transpose(_RASTER_ORDER) if isinstance(x, np.ndarray) else x.permute(_RASTER_ORDER)
-    return (np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()).reshape(height, width, 3)
 
 
 def patchify(image, spec: VisionSpec):
@@ -192,9 +178,10 @@ def to_pixel_values(rows, spec: VisionSpec, grid_thw, dtype=None):
     """Concatenated ``pixel_rows`` of the images in ``grid_thw`` -> normalized float ``pixel_values``
     [N, 3*T*P*P] in the HF row order, frames repeated like HF.
 
-    Numpy in, numpy out (float32 unless ``dtype``); a torch tensor in, a tensor out on its device,
-    where each image's patch permutation is read in place by the one kernel that normalizes and
-    casts it.
+    Numpy in, numpy out (float32 unless ``dtype``); a torch tensor in, a tensor out on its device.
+    On a GPU with Triton one kernel launch reads every image's patch permutation in place,
+    normalizes, casts and writes all frames (``fused_pixel_values``); elsewhere
+    ``torch_pixel_values``.
     """
     n = rows.shape[0]
     pp = spec.patch_size * spec.patch_size
@@ -207,6 +194,56 @@ def to_pixel_values(rows, spec: VisionSpec, grid_thw, dtype=None):
         return out if dtype is None else out.astype(dtype)
     import torch
 
+    if rows.is_cuda and fused_kernel_usable(rows.device):
+        return fused_pixel_values(rows, spec, grid_thw, dtype or torch.float32)
+    return torch_pixel_values(rows, spec, grid_thw, dtype)
+
+
+def fused_pixel_values(rows, spec: VisionSpec, grid_thw, dtype):
+    """``to_pixel_values`` of a uint8 torch tensor of raster rows in one Triton kernel launch
+    (``datasvc.triton_pixel_values``)."""
+    from datasvc import triton_pixel_values
+
+    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    if (grids[:, 0] != 1).any():
+        raise ValueError(f"grids {grids[grids[:, 0] != 1].tolist()}: pixel rows carry one frame per image (t == 1)")
+    if (grids[:, 1:] % spec.merge_size).any():
+        raise ValueError(f"grids {grids.tolist()} are not whole merge windows of {spec.merge_size}")
+    if (covered := int((grids[:, 1] * grids[:, 2]).sum())) != rows.shape[0]:
+        raise ValueError(f"image_grid_thw covers {covered} rows of {rows.shape[0]}")
+    scale, neg_shift = _device_normalization(spec, rows.device)
+    return triton_pixel_values.pixel_values(rows, grids, patch_size=spec.patch_size, merge_size=spec.merge_size,
+                                            temporal_patch_size=spec.temporal_patch_size, scale=scale,
+                                            neg_shift=neg_shift, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel_usable(device) -> bool:
+    """Whether ``fused_pixel_values`` imports, compiles and gives ``torch_pixel_values``' result on
+    ``device``: checked once per device on a small batch. When not (no Triton, no C compiler for
+    its launcher, an unsupported GPU), a warning says why and ``to_pixel_values`` takes torch's."""
+    import torch
+
+    spec, grids = VisionSpec(), [(1, 2, 4), (1, 4, 2)]
+    rows = torch.arange(16 * spec.patch_dim, device=device).remainder(251).to(torch.uint8).view(16, -1)
+    try:
+        ok = torch.allclose(fused_pixel_values(rows, spec, grids, torch.float32),
+                            torch_pixel_values(rows, spec, grids, torch.float32), atol=1e-6)
+        reason = "" if ok else "its values differ from the torch path's"
+    except Exception as exc:  # ImportError, a compiler or driver error: each means the torch path
+        ok, reason = False, f"{type(exc).__name__}: {exc}"[:300]
+    if not ok:
+        warnings.warn(f"pixel_values on {device} without the fused Triton kernel ({reason}); "
+                      "the torch path gives the same values, slower", RuntimeWarning, stacklevel=3)
+    return ok
+
+
+def torch_pixel_values(rows, spec: VisionSpec, grid_thw, dtype=None):
+    """``to_pixel_values`` of a torch tensor in torch alone: one strided normalize per image, then
+    one copy of frame 0 onto the others (the path with no Triton, and on the CPU)."""
+    import torch
+
+    n, pp = rows.shape[0], spec.patch_size * spec.patch_size
     values = torch.empty((n, 3, spec.temporal_patch_size, pp), dtype=dtype or torch.float32, device=rows.device)
     for first, count, image in _images(rows, spec, grid_thw):
         view = _patch_view(image, spec)

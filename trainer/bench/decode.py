@@ -103,28 +103,48 @@ def _streamed(decoder, jobs, spec, per_batch: int, rounds: int = 4) -> int:
     return _synchronized(n)
 
 
-def _stages(decoder, jobs, spec, layout: str, finish, rounds: int = 4) -> int:
-    """The decoder's own stream (its feed and DALI pipeline of ``layout``) with ``finish`` in place of
-    what it does with each output: the stages measured one at a time."""
+def _stages(decoder, jobs, spec, finish, rounds: int = 4) -> int:
+    """The decoder's own stream (its feed and DALI pipeline) with ``finish`` in place of what it does
+    with each output: the stages measured one at a time."""
     batches = [jobs[i:i + decoder.max_batch] for i in range(0, len(jobs), decoder.max_batch)] * rounds
     n = 0
-    for out in decoder._stream(batches, layout, spec, finish, lambda rows, job: rows, None):
+    for out in decoder._stream(batches, spec, finish, lambda rows, job: rows, None):
         n += len(out)
     return _synchronized(n)
 
 
 def _stage_paths(t: "_Timings", gpu, jobs, spec) -> None:
     """Where the streamed path's time goes: DALI's decode + resize from the decoder's feed, + the
-    patch order, + the copy out of DALI's buffer, then the whole path (``stream_pixel_values``)."""
+    copy out of DALI's buffer, + ``pixel_values`` by torch's kernels (one normalize per image and a
+    frame copy) or by the fused Triton kernel (the decoder's own path, ``stream_pixel_values``)."""
     import torch
 
-    nothing = lambda out, batch: [None] * len(batch)  # noqa: E731
-    copied = lambda out, batch: [gpu._pixels(out)] * len(batch)  # noqa: E731
-    for name, layout, finish in (("rows_pipeline", "rows", nothing), ("patches_pipeline", "patches", nothing),
-                                 ("patches_pipeline_copy", "patches", copied),
-                                 ("patches_pipeline_normalized", "patches",
-                                  lambda out, batch: gpu._patch_values(out, batch, spec, torch.bfloat16))):
-        t.timed(f"dali_gpu_stage_{name}", lambda: _stages(gpu, jobs, spec, layout, finish), images=4 * len(jobs))
+    from datasvc.vision import torch_pixel_values
+
+    def torch_values(out, batch):
+        rows, spans = gpu._device_rows(out, batch, spec)
+        return [torch_pixel_values(rows, spec, [j.grid(spec) for j in batch], torch.bfloat16)] * len(batch)
+
+    for name, finish in (("rows_pipeline", lambda out, batch: [None] * len(batch)),
+                         ("rows_pipeline_copy", lambda out, batch: [gpu._pixels(out)] * len(batch)),
+                         ("rows_pipeline_torch_pixel_values", torch_values),
+                         ("rows_pipeline_fused_pixel_values",
+                          lambda out, batch: gpu._values(out, batch, spec, torch.bfloat16))):
+        t.timed(f"dali_gpu_stage_{name}", lambda: _stages(gpu, jobs, spec, finish), images=4 * len(jobs))
+
+
+def _pixel_values_kernels(t: "_Timings", spec, grids, batch: int) -> None:
+    """``pixel_values`` of one chunk's rows already on the GPU (random pixels, the photos' grids),
+    by torch's kernels and by the fused Triton kernel: the last stage alone."""
+    import torch
+
+    from datasvc.vision import fused_pixel_values, torch_pixel_values
+
+    chunk = grids[:batch]
+    rows = torch.randint(0, 256, (sum(g[1] * g[2] for g in chunk), spec.patch_dim), dtype=torch.uint8, device="cuda")
+    for name, fn in (("torch", torch_pixel_values), ("fused", fused_pixel_values)):
+        t.timed(f"pixel_values_kernel_{name}", lambda: _synchronized(fn(rows, spec, chunk, torch.bfloat16)),
+                repeats=50, images=len(chunk))
 
 
 def _dali_decode_only(jobs, batch: int, gpu, resize: bool = False):
@@ -165,6 +185,7 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     """DALI GPU to host rows, to GPU pixel_values, resident and streamed (with variants)."""
     from datasvc.gpudecode import GpuDecoder
 
+    _pixel_values_kernels(t, spec, grids, batch)
     _stage_paths(t, gpu, jobs, spec)
     host_rows = t.timed("dali_gpu_to_host_patches", lambda: gpu.to_pixel_rows(jobs, spec))
     t.timed("dali_gpu_to_gpu_pixel_values", lambda: _to_gpu_pixel_values(gpu.to_pixel_rows(jobs, spec), grids, spec))
@@ -172,7 +193,8 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     t.timed("dali_gpu_stream_pixel_values", lambda: _streamed(gpu, jobs, spec, batch), images=4 * len(jobs))
     t.timed("dali_gpu_stream_pixel_values_per_batch8", lambda: _streamed(gpu, jobs, spec, 8), images=4 * len(jobs))
     for name, kwargs in (("batch128", dict(max_batch=2 * batch)), ("threads8", dict(num_threads=8)),
-                         ("hw1.0", dict(hw_decoder_load=1.0)), ("prefetch2", dict(prefetch=2))):
+                         ("hw1.0", dict(hw_decoder_load=1.0)), ("prefetch2", dict(prefetch=2)),
+                         ("copied_feed", dict(copy_encoded=True))):
         variant = GpuDecoder(device_id=0, **{"num_threads": 4, "max_batch": batch, **kwargs})
         t.timed(f"dali_gpu_stream_pixel_values_{name}", lambda: _streamed(variant, jobs, spec, variant.max_batch),
                 images=4 * len(jobs))
@@ -226,6 +248,9 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     for path in ("stream_pixel_values", "stream_pixel_values_per_batch8"):  # the goal: >= 0.9x decode alone
         res[f"dali_gpu_{path}_vs_decode_only"] = t.ratio(f"dali_gpu_{path}", "dali_gpu_decode_only")
         res[f"dali_gpu_{path}_vs_decode_resize_only"] = t.ratio(f"dali_gpu_{path}", "dali_gpu_decode_resize_only")
+    res["fused_vs_torch_pixel_values_kernel"] = t.ratio("pixel_values_kernel_fused", "pixel_values_kernel_torch")
+    res["fused_vs_torch_pixel_values_stage"] = t.ratio("dali_gpu_stage_rows_pipeline_fused_pixel_values",
+                                                       "dali_gpu_stage_rows_pipeline_torch_pixel_values")
     res["dali_gpu_vs_dali_cpu_to_host_patches"] = t.ratio("dali_gpu_to_host_patches",
                                                           "dali_cpu_all_cores_to_host_patches")
     print("[bench] gpu decode:", json.dumps(res), flush=True)
