@@ -236,20 +236,22 @@ class GpuDecoder:
         import torch
 
         pixels, shapes = self._pixels(out)
-        offset, rows, parts, spans, relaid = 0, 0, [], [], False
+        if all((h, w) == j.decode_hw and j.header.orientation == 1 for j, (h, w, _) in zip(jobs, shapes)):
+            # The usual case: the chunk's pixels are already its rows, no tensor op per image.
+            ends = np.cumsum([h * w * c // spec.patch_dim for h, w, c in shapes]).tolist()
+            return pixels.view(-1, spec.patch_dim), list(zip([0] + ends[:-1], ends))
+        offset, rows, parts, spans = 0, 0, [], []
         for job, (h, w, c) in zip(jobs, shapes):
             if (h, w) != job.decode_hw:
                 spans.append(ImageRejected("corrupt_image", f"decoded {h}x{w} != target {job.decode_hw}"))
             else:
                 image = pixels[offset:offset + h * w * c]
                 if job.header.orientation != 1:  # a copy of the resized image, in its display frame
-                    image, relaid = orient(image.view(h, w, c), job.header.orientation), True
+                    image = orient(image.view(h, w, c), job.header.orientation)
                 parts.append(image.view(-1, spec.patch_dim))
                 spans.append((rows, rows + len(parts[-1])))
                 rows += len(parts[-1])
             offset += h * w * c
-        if len(parts) == len(jobs) and not relaid:  # the usual case: the chunk's pixels are already its rows
-            return pixels.view(-1, spec.patch_dim), spans
         return (torch.cat(parts) if parts else pixels.new_empty((0, spec.patch_dim))), spans
 
     def _host_rows(self, out, jobs: list[DecodeJob], spec: VisionSpec) -> list[np.ndarray | ImageRejected]:

@@ -205,6 +205,8 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
         variant = GpuDecoder(device_id=0, **{"num_threads": 4, "max_batch": batch, **kwargs})
         t.timed(f"dali_gpu_stream_pixel_values_{name}", lambda: _streamed(variant, jobs, spec, variant.max_batch),
                 images=ROUNDS * len(jobs))
+        if name == "copied_feed":  # the feed's copy, on the one-call path too
+            t.timed("dali_gpu_to_host_patches_copied_feed", lambda: variant.to_pixel_rows(jobs, spec))
         del variant
     return host_rows
 
