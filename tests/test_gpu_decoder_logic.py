@@ -282,3 +282,30 @@ def test_patch_layout_on_the_gpu_equals_normalized_rows(blobs):
         assert values.is_cuda
         # float32 on both devices; the GPU may fuse the multiply-add (one rounding fewer)
         torch.testing.assert_close(values.cpu(), normalized(rows, job, torch.float32), atol=1e-6, rtol=0)
+
+
+def test_feed_keeps_what_dali_reads_in_place_until_its_output_is_out(blobs):
+    """DALI reads the fed arrays where they lie (no copy): each chunk's arrays stay referenced by
+    the feed until the pipeline hands over that chunk's output, and are released then."""
+    import gc
+    import weakref
+
+    from datasvc.gpudecode import _Feed, _Slot
+
+    jobs = jobs_for(blobs[:3])
+    slot = _Slot(jobs, max_batch=2, room=2)
+    chunks = [[(slot, idx)] for idx in slot.parts]
+    feed = _Feed()
+    feed.start(iter(chunks))
+    pulled = iter(feed)
+    first, second = next(pulled), next(pulled)
+    assert [len(a) for a in first] == [2, 2] and [len(a) for a in second] == [1, 1]
+    assert np.array_equal(first[1][0], np.array(jobs[0].decode_hw, np.float32))
+    watch = weakref.ref(first[1][0])
+    del first
+    gc.collect()
+    assert watch() is not None  # still fed, not yet out
+    assert feed.out() is chunks[0]
+    gc.collect()
+    assert watch() is None
+    assert feed.unfinished() == [chunks[1]]
