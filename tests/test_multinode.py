@@ -243,8 +243,8 @@ def test_node_budget_shares_one_node_between_feeders():
     assert replica_nodes(["a", "b", "b", "c"], [0, 0, 0, 1]) == {0: "b", 1: "c"}
 
 
-LOST_HEAD = re.compile(r"Failed to connect to GCS|raylet (failed|death|is dead|has died)|Raylet IPC connection failed",
-                       re.I)
+LOST_HEAD = re.compile(r"Failed to connect to GCS|raylet (failed|death|is dead|has died)|Raylet IPC connection failed"
+                       r"|connection to the plasma store is failed", re.I)
 
 
 def driver_core_log(temp_dir: str, pid: int) -> str:
@@ -299,9 +299,9 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
             driver.kill()
         c.shutdown()
     assert driver.returncode != 0
-    # Ray ends the driver, naming the cause, in whichever of two ways it notices first (no Python error
+    # Ray ends the driver, naming the cause, in whichever way it notices first (no Python error
     # reaches us): the GCS stays unreachable (said on stderr), or the local raylet is gone (said in the
-    # driver's core log).
+    # driver's core log), or with it the raylet's object store (said on stderr).
     said = log + driver_core_log(temp_dir, driver.pid)
     assert LOST_HEAD.search(said), (driver.returncode, said[-3000:])
     saved = json.load(open(out))
