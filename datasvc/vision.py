@@ -147,7 +147,7 @@ def _normalization(spec: VisionSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=16)
-def _device_normalization(spec: VisionSpec, device):
+def device_normalization(spec: VisionSpec, device):
     """(scale, -shift) as float32 [3] on ``device``. Cached: building these per call is a blocking
     host-to-device copy on every batch."""
     import torch
@@ -162,7 +162,7 @@ def normalize_into(out, pixels, spec: VisionSpec, channel_dim: int) -> None:
     patchify, normalize and the cast to bfloat16 cost one pass with no float32 intermediate."""
     import torch
 
-    scale, neg_shift = _device_normalization(spec, out.device)
+    scale, neg_shift = device_normalization(spec, out.device)
     shape = [1] * out.dim()
     shape[channel_dim] = 3
     torch.addcmul(neg_shift.view(shape), pixels, scale.view(shape), out=out)
@@ -211,7 +211,7 @@ def fused_pixel_values(rows, spec: VisionSpec, grid_thw, dtype):
         raise ValueError(f"grids {grids.tolist()} are not whole merge windows of {spec.merge_size}")
     if (covered := int((grids[:, 1] * grids[:, 2]).sum())) != rows.shape[0]:
         raise ValueError(f"image_grid_thw covers {covered} rows of {rows.shape[0]}")
-    scale, neg_shift = _device_normalization(spec, rows.device)
+    scale, neg_shift = device_normalization(spec, rows.device)
     return triton_pixel_values.pixel_values(rows, grids, patch_size=spec.patch_size, merge_size=spec.merge_size,
                                             temporal_patch_size=spec.temporal_patch_size, scale=scale,
                                             neg_shift=neg_shift, dtype=dtype)

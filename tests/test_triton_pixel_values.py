@@ -1,4 +1,4 @@
-"""The fused Triton ``pixel_values`` kernel against the torch path it replaces on GPUs.
+"""The fused Triton ``pixel_values`` kernel (images and videos) against the paths it replaces on GPUs.
 
 Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, which must be set
 before triton is first imported, so in a child process). The interpreter's multiply-add is not
@@ -39,6 +39,18 @@ CHECK = textwrap.dedent("""
         out[name] = {"shape": list(got32.shape), "want_shape": list(want.shape), "dtype16": str(got16.dtype),
                      "f32_max_diff": (got32 - want).abs().max().item(),
                      "bf16_max_rel_diff": ((got16.float() - want).abs() / want.abs().clamp(min=1)).max().item()}
+    from datasvc.video import _fused_video_pixel_values, to_video_pixel_values
+
+    for name, (spec, grids) in {"video": (VisionSpec(), [(2, 4, 6), (1, 2, 2)]),
+                                "video_p14_three_frames": (VisionSpec(temporal_patch_size=3, **clip), [(2, 2, 4)])}.items():
+        n = sum(t * spec.temporal_patch_size * h * w for t, h, w in grids)
+        rows = torch.randint(0, 256, (n, spec.patch_dim), generator=gen, dtype=torch.uint8)
+        want = torch.from_numpy(to_video_pixel_values(rows.numpy(), spec, grids))
+        got32 = _fused_video_pixel_values(rows, spec, grids, torch.float32)
+        got16 = _fused_video_pixel_values(rows, spec, grids, torch.bfloat16)
+        out[name] = {"shape": list(got32.shape), "want_shape": list(want.shape), "dtype16": str(got16.dtype),
+                     "f32_max_diff": (got32 - want).abs().max().item(),
+                     "bf16_max_rel_diff": ((got16.float() - want).abs() / want.abs().clamp(min=1)).max().item()}
     errors = {}
     spec = VisionSpec()
     rows = torch.zeros((8, spec.patch_dim), dtype=torch.uint8)
@@ -68,10 +80,12 @@ def test_kernel_is_usable_where_triton_runs(interpreted):
     assert interpreted["usable"] is True
 
 
-@pytest.mark.parametrize("case", ["qwen3vl", "p14_clip_stats", "one_frame", "merge1_three_frames"])
+@pytest.mark.parametrize("case", ["qwen3vl", "p14_clip_stats", "one_frame", "merge1_three_frames", "video",
+                                  "video_p14_three_frames"])
 def test_kernel_gives_the_torch_paths_pixel_values(interpreted, case):
     """Patch order, per-channel statistics, patch sizes that are not a power of two, any frame
-    count and merge size, images of mixed shapes in one launch."""
+    count and merge size, images of mixed shapes in one launch; videos (each output row's frames
+    read from consecutive frames) against ``to_video_pixel_values``' numpy path."""
     r = interpreted[case]
     assert r["shape"] == r["want_shape"]
     assert r["dtype16"] == "torch.bfloat16"
@@ -103,3 +117,22 @@ def test_kernel_on_cuda_is_what_to_pixel_values_runs():
     torch.testing.assert_close(to_pixel_values(rows, spec, grids, torch.float32), want, atol=1e-6, rtol=0)
     got16 = to_pixel_values(rows, spec, grids, torch.bfloat16)
     torch.testing.assert_close(got16.float(), want, atol=1 / 64, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_video_pixel_values_on_cuda_take_the_kernel():
+    """A rank's ``pixel_values_videos``: the CUDA path (the fused kernel) gives the numpy path's values."""
+    from datasvc.video import to_video_pixel_values
+    from datasvc.vision import VisionSpec
+
+    spec = VisionSpec()
+    grids = [(3, 18, 32), (1, 2, 2), (5, 12, 8)]
+    n = sum(t * spec.temporal_patch_size * h * w for t, h, w in grids)
+    rows = torch.randint(0, 256, (n, spec.patch_dim), dtype=torch.uint8)
+    want = torch.from_numpy(to_video_pixel_values(rows.numpy(), spec, grids))
+    got = to_video_pixel_values(rows.cuda(), spec, grids, torch.float32)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=0)
+    got16 = to_video_pixel_values(rows.cuda(), spec, grids, torch.bfloat16)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float().cpu(), want, atol=1 / 64, rtol=0)
