@@ -219,16 +219,26 @@ def fused_pixel_values(rows, spec: VisionSpec, grid_thw, dtype):
 
 @functools.lru_cache(maxsize=None)
 def fused_kernel_usable(device) -> bool:
-    """Whether ``fused_pixel_values`` imports, compiles and gives ``torch_pixel_values``' result on
-    ``device``: checked once per device on a small batch. When not (no Triton, no C compiler for
-    its launcher, an unsupported GPU), a warning says why and ``to_pixel_values`` takes torch's."""
+    """Whether the fused kernel imports, compiles and gives ``torch_pixel_values``' result on
+    ``device``, for still images and for videos (a video whose frames all equal an image must give
+    that image's values): checked once per device on a small batch. When not (no Triton, no C
+    compiler for its launcher, an unsupported GPU), a warning says why and ``to_pixel_values`` and
+    ``video.to_video_pixel_values`` take torch's path."""
     import torch
+
+    from datasvc import triton_pixel_values
 
     spec, grids = VisionSpec(), [(1, 2, 4), (1, 4, 2)]
     rows = torch.arange(16 * spec.patch_dim, device=device).remainder(251).to(torch.uint8).view(16, -1)
     try:
-        ok = torch.allclose(fused_pixel_values(rows, spec, grids, torch.float32),
-                            torch_pixel_values(rows, spec, grids, torch.float32), atol=1e-6)
+        still = fused_pixel_values(rows, spec, grids, torch.float32)
+        frames = torch.cat([rows[:8]] * spec.temporal_patch_size + [rows[8:]] * spec.temporal_patch_size)
+        scale, neg_shift = device_normalization(spec, rows.device)
+        video = triton_pixel_values.pixel_values(frames, np.asarray(grids), patch_size=spec.patch_size,
+                                                 merge_size=spec.merge_size, temporal_patch_size=spec.temporal_patch_size,
+                                                 scale=scale, neg_shift=neg_shift, dtype=torch.float32, video=True)
+        ok = (torch.allclose(still, torch_pixel_values(rows, spec, grids, torch.float32), atol=1e-6)
+              and torch.equal(video, still))
         reason = "" if ok else "its values differ from the torch path's"
     except Exception as exc:  # ImportError, a compiler or driver error: each means the torch path
         ok, reason = False, f"{type(exc).__name__}: {exc}"[:300]
