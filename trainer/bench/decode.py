@@ -152,6 +152,59 @@ def _pixel_values_kernels(t: "_Timings", spec, grids, batch: int) -> None:
                 repeats=50, images=len(chunk))
 
 
+def _video_kernels(t: "_Timings", spec) -> None:
+    """``pixel_values_videos`` of 4 videos (8 temporal groups of 384x672 frames) already on the GPU,
+    by torch's kernels and by the fused kernel."""
+    import torch
+
+    from datasvc import video
+
+    grids = [(8, 24, 42)] * 4
+    rows = torch.randint(0, 256, (sum(g * spec.temporal_patch_size * h * w for g, h, w in grids), spec.patch_dim),
+                         dtype=torch.uint8, device="cuda")
+
+    def torch_path():
+        usable, video.fused_kernel_usable = video.fused_kernel_usable, lambda device: False
+        try:
+            return video.to_video_pixel_values(rows, spec, grids, torch.bfloat16)
+        finally:
+            video.fused_kernel_usable = usable
+
+    for name, fn in (("torch", torch_path), ("fused", lambda: video.to_video_pixel_values(rows, spec, grids,
+                                                                                            torch.bfloat16))):
+        t.timed(f"video_pixel_values_kernel_{name}", lambda: _synchronized(fn()), repeats=20, images=len(grids))
+
+
+def _host_rows_alternated(t: "_Timings", jobs, spec, rounds: int = 6) -> None:
+    """The one-call host path (``to_pixel_rows``) with the encoded bytes read in place and copied,
+    in alternated rounds of 3 calls, once torch's pinned-block cache holds a call's blocks: the median
+    of each. ``timed``'s two warm-ups leave that cache filling, so its host figures price pinning."""
+    import statistics
+
+    from datasvc.gpudecode import GpuDecoder
+
+    decoders = {"in_place": GpuDecoder(device_id=0, num_threads=4, max_batch=64),
+                "copied": GpuDecoder(device_id=0, num_threads=4, max_batch=64, copy_encoded=True)}
+    rates: dict[str, list[float]] = {name: [] for name in decoders}
+    try:
+        for r in range(rounds + 1):  # the first round fills the caches and is dropped
+            for name in (list(decoders) if r % 2 == 0 else list(decoders)[::-1]):
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    rows = decoders[name].to_pixel_rows(jobs, spec)
+                if r:
+                    rates[name].append(3 * len(jobs) / (time.perf_counter() - t0))
+                del rows
+    except Exception as exc:  # one failing path must not hide the others
+        t.results["dali_gpu_to_host_patches_steady"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        return
+    for name, values in rates.items():
+        t.results[f"dali_gpu_to_host_patches_steady_{name}"] = {"img_s": round(statistics.median(values), 1),
+                                                                "rounds": [round(v) for v in values]}
+        print(f"[bench] dali_gpu_to_host_patches_steady_{name}: {t.results[f'dali_gpu_to_host_patches_steady_{name}']}",
+              flush=True)
+
+
 def _dali_decode_only(jobs, batch: int, gpu, resize: bool = False):
     """GpuDecoder's decode settings, pipelined over the same batches; outputs stay on the GPU. With
     ``resize``, GpuDecoder's resize too: the DALI pipeline alone, with none of the feeding, patch
@@ -191,7 +244,9 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     from datasvc.gpudecode import GpuDecoder
 
     _pixel_values_kernels(t, spec, grids, batch)
+    _video_kernels(t, spec)
     _stage_paths(t, gpu, jobs, spec)
+    _host_rows_alternated(t, jobs, spec)
     host_rows = t.timed("dali_gpu_to_host_patches", lambda: gpu.to_pixel_rows(jobs, spec))
     t.timed("dali_gpu_to_gpu_pixel_values", lambda: _to_gpu_pixel_values(gpu.to_pixel_rows(jobs, spec), grids, spec))
     t.timed("dali_gpu_resident_pixel_values", lambda: _synchronized(gpu.to_pixel_values(jobs, spec)))
@@ -205,8 +260,6 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
         variant = GpuDecoder(device_id=0, **{"num_threads": 4, "max_batch": batch, **kwargs})
         t.timed(f"dali_gpu_stream_pixel_values_{name}", lambda: _streamed(variant, jobs, spec, variant.max_batch),
                 images=ROUNDS * len(jobs))
-        if name == "copied_feed":  # the feed's copy, on the one-call path too
-            t.timed("dali_gpu_to_host_patches_copied_feed", lambda: variant.to_pixel_rows(jobs, spec))
         del variant
     return host_rows
 
@@ -258,6 +311,10 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
         res[f"dali_gpu_{path}_vs_decode_only"] = t.ratio(f"dali_gpu_{path}", "dali_gpu_decode_only")
         res[f"dali_gpu_{path}_vs_decode_resize_only"] = t.ratio(f"dali_gpu_{path}", "dali_gpu_decode_resize_only")
     res["fused_vs_torch_pixel_values_kernel"] = t.ratio("pixel_values_kernel_fused", "pixel_values_kernel_torch")
+    res["fused_vs_torch_video_pixel_values_kernel"] = t.ratio("video_pixel_values_kernel_fused",
+                                                              "video_pixel_values_kernel_torch")
+    res["in_place_vs_copied_feed_to_host_steady"] = t.ratio("dali_gpu_to_host_patches_steady_in_place",
+                                                            "dali_gpu_to_host_patches_steady_copied")
     res["fused_vs_torch_pixel_values_stage"] = t.ratio("dali_gpu_stage_rows_pipeline_fused_pixel_values",
                                                        "dali_gpu_stage_rows_pipeline_torch_pixel_values")
     res["dali_gpu_vs_dali_cpu_to_host_patches"] = t.ratio("dali_gpu_to_host_patches",
