@@ -40,7 +40,7 @@ class _Timings:
         return result
 
     def ratio(self, a: str, b: str) -> float | None:
-        ra, rb = self.results[a].get("img_s"), self.results[b].get("img_s")
+        ra, rb = self.results.get(a, {}).get("img_s"), self.results.get(b, {}).get("img_s")
         return round(ra / rb, 3) if ra and rb else None
 
 
