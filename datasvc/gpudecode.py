@@ -106,7 +106,7 @@ class GpuDecoder:
     name = "gpu"
 
     # Load 0.9 sends most JPEGs to the H200's hardware decoder (8,712 img/s decode-only, 2,776 at
-    # DALI's 0.65); 4 chunks in flight stream 1.08x faster than 2 (docs/benchmarks.md, GPU decode).
+    # DALI's 0.65); 4 chunks in flight stream 1.03-1.09x faster than 2 (docs/benchmarks.md, GPU decode).
     def __init__(self, device_id: int | None = 0, num_threads: int = 4, max_batch: int = 64,
                  hw_decoder_load: float = 0.9, prefetch: int = 4, copy_encoded: bool = False):
         import nvidia.dali  # noqa: F401  (missing DALI fails here, not at the first batch)
