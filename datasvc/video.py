@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datasvc.decode import resize_uint8
-from datasvc.vision import ImageRejected, VisionSpec, device_normalization, fused_kernel_usable
+from datasvc.vision import ImageRejected, VisionSpec, fused_kernel_usable, fused_pixel_values
 
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov")
 KNOWN_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mjpeg", "mpeg4")
@@ -280,7 +280,10 @@ def to_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype=None):
     p, m, tps = vision.patch_size, vision.merge_size, vision.temporal_patch_size
     width = 3 * tps * p * p
     if not isinstance(rows, np.ndarray) and rows.is_cuda and fused_kernel_usable(rows.device):
-        return _fused_video_pixel_values(rows, vision, grid_thw, dtype)
+        import torch
+
+        # One launch straight to ``dtype``: no float32 copy of each video and no concatenation.
+        return fused_pixel_values(rows, vision, grid_thw, dtype or torch.float32, video=True)
     mean = np.asarray(vision.image_mean, np.float32).reshape(3, 1, 1, 1)
     scale = (1 / (255.0 * np.asarray(vision.image_std, np.float32))).reshape(3, 1, 1, 1)
     shift = mean / np.asarray(vision.image_std, np.float32).reshape(3, 1, 1, 1)
@@ -307,21 +310,3 @@ def to_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype=None):
     values = torch.cat(out) if out else torch.zeros((0, width), device=rows.device)
     return values if dtype is None else values.to(dtype)
 
-
-def _fused_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype):
-    """``to_video_pixel_values`` of a CUDA tensor in one launch of the fused kernel, straight to
-    ``dtype``: no float32 copy of each video and no concatenation."""
-    import torch
-
-    from datasvc import triton_pixel_values
-
-    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-    tps = vision.temporal_patch_size
-    if (grids[:, 1:] % vision.merge_size).any():
-        raise ValueError(f"video grids {grids.tolist()} are not whole merge windows of {vision.merge_size}")
-    if (covered := int((grids[:, 0] * tps * grids[:, 1] * grids[:, 2]).sum())) != rows.shape[0]:
-        raise ValueError(f"video_grid_thw covers {covered} rows of {rows.shape[0]}")
-    scale, neg_shift = device_normalization(vision, rows.device)
-    return triton_pixel_values.pixel_values(rows, grids, patch_size=vision.patch_size, merge_size=vision.merge_size,
-                                            temporal_patch_size=tps, scale=scale, neg_shift=neg_shift,
-                                            dtype=dtype or torch.float32, video=True)

@@ -147,7 +147,7 @@ def _normalization(spec: VisionSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=16)
-def device_normalization(spec: VisionSpec, device):
+def _device_normalization(spec: VisionSpec, device):
     """(scale, -shift) as float32 [3] on ``device``. Cached: building these per call is a blocking
     host-to-device copy on every batch."""
     import torch
@@ -162,7 +162,7 @@ def normalize_into(out, pixels, spec: VisionSpec, channel_dim: int) -> None:
     patchify, normalize and the cast to bfloat16 cost one pass with no float32 intermediate."""
     import torch
 
-    scale, neg_shift = device_normalization(spec, out.device)
+    scale, neg_shift = _device_normalization(spec, out.device)
     shape = [1] * out.dim()
     shape[channel_dim] = 3
     torch.addcmul(neg_shift.view(shape), pixels, scale.view(shape), out=out)
@@ -199,22 +199,23 @@ def to_pixel_values(rows, spec: VisionSpec, grid_thw, dtype=None):
     return torch_pixel_values(rows, spec, grid_thw, dtype)
 
 
-def fused_pixel_values(rows, spec: VisionSpec, grid_thw, dtype):
-    """``to_pixel_values`` of a uint8 torch tensor of raster rows in one Triton kernel launch
-    (``datasvc.triton_pixel_values``)."""
+def fused_pixel_values(rows, spec: VisionSpec, grid_thw, dtype, video: bool = False):
+    """``to_pixel_values`` (or, with ``video``, ``video.to_video_pixel_values``) of a uint8 torch
+    tensor of raster rows in one Triton kernel launch (``datasvc.triton_pixel_values``)."""
     from datasvc import triton_pixel_values
 
     grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-    if (grids[:, 0] != 1).any():
+    if not video and (grids[:, 0] != 1).any():
         raise ValueError(f"grids {grids[grids[:, 0] != 1].tolist()}: pixel rows carry one frame per image (t == 1)")
     if (grids[:, 1:] % spec.merge_size).any():
         raise ValueError(f"grids {grids.tolist()} are not whole merge windows of {spec.merge_size}")
-    if (covered := int((grids[:, 1] * grids[:, 2]).sum())) != rows.shape[0]:
-        raise ValueError(f"image_grid_thw covers {covered} rows of {rows.shape[0]}")
-    scale, neg_shift = device_normalization(spec, rows.device)
+    frames = spec.temporal_patch_size if video else 1
+    if (covered := int((grids[:, 0] * frames * grids[:, 1] * grids[:, 2]).sum())) != rows.shape[0]:
+        raise ValueError(f"{'video' if video else 'image'}_grid_thw covers {covered} rows of {rows.shape[0]}")
+    scale, neg_shift = _device_normalization(spec, rows.device)
     return triton_pixel_values.pixel_values(rows, grids, patch_size=spec.patch_size, merge_size=spec.merge_size,
                                             temporal_patch_size=spec.temporal_patch_size, scale=scale,
-                                            neg_shift=neg_shift, dtype=dtype)
+                                            neg_shift=neg_shift, dtype=dtype, video=video)
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,17 +227,12 @@ def fused_kernel_usable(device) -> bool:
     ``video.to_video_pixel_values`` take torch's path."""
     import torch
 
-    from datasvc import triton_pixel_values
-
     spec, grids = VisionSpec(), [(1, 2, 4), (1, 4, 2)]
     rows = torch.arange(16 * spec.patch_dim, device=device).remainder(251).to(torch.uint8).view(16, -1)
     try:
         still = fused_pixel_values(rows, spec, grids, torch.float32)
         frames = torch.cat([rows[:8]] * spec.temporal_patch_size + [rows[8:]] * spec.temporal_patch_size)
-        scale, neg_shift = device_normalization(spec, rows.device)
-        video = triton_pixel_values.pixel_values(frames, np.asarray(grids), patch_size=spec.patch_size,
-                                                 merge_size=spec.merge_size, temporal_patch_size=spec.temporal_patch_size,
-                                                 scale=scale, neg_shift=neg_shift, dtype=torch.float32, video=True)
+        video = fused_pixel_values(frames, spec, grids, torch.float32, video=True)
         ok = (torch.allclose(still, torch_pixel_values(rows, spec, grids, torch.float32), atol=1e-6)
               and torch.equal(video, still))
         reason = "" if ok else "its values differ from the torch path's"

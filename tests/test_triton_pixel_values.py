@@ -39,15 +39,15 @@ CHECK = textwrap.dedent("""
         out[name] = {"shape": list(got32.shape), "want_shape": list(want.shape), "dtype16": str(got16.dtype),
                      "f32_max_diff": (got32 - want).abs().max().item(),
                      "bf16_max_rel_diff": ((got16.float() - want).abs() / want.abs().clamp(min=1)).max().item()}
-    from datasvc.video import _fused_video_pixel_values, to_video_pixel_values
+    from datasvc.video import to_video_pixel_values
 
     for name, (spec, grids) in {"video": (VisionSpec(), [(2, 4, 6), (1, 2, 2)]),
                                 "video_p14_three_frames": (VisionSpec(temporal_patch_size=3, **clip), [(2, 2, 4)])}.items():
         n = sum(t * spec.temporal_patch_size * h * w for t, h, w in grids)
         rows = torch.randint(0, 256, (n, spec.patch_dim), generator=gen, dtype=torch.uint8)
         want = torch.from_numpy(to_video_pixel_values(rows.numpy(), spec, grids))
-        got32 = _fused_video_pixel_values(rows, spec, grids, torch.float32)
-        got16 = _fused_video_pixel_values(rows, spec, grids, torch.bfloat16)
+        got32 = fused_pixel_values(rows, spec, grids, torch.float32, video=True)
+        got16 = fused_pixel_values(rows, spec, grids, torch.bfloat16, video=True)
         out[name] = {"shape": list(got32.shape), "want_shape": list(want.shape), "dtype16": str(got16.dtype),
                      "f32_max_diff": (got32 - want).abs().max().item(),
                      "bf16_max_rel_diff": ((got16.float() - want).abs() / want.abs().clamp(min=1)).max().item()}
