@@ -277,13 +277,19 @@ def to_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype=None):
     [sum(t*h*w), 3*tps*P*P] in the processor's order: per temporal group, merge windows row-major,
     the patches of a window, then channel, frame, patch pixels. Numpy in, float32 numpy out (or
     ``dtype``); a torch tensor in, a tensor out on its device (float32 unless ``dtype``)."""
-    p, m, tps = vision.patch_size, vision.merge_size, vision.temporal_patch_size
-    width = 3 * tps * p * p
     if not isinstance(rows, np.ndarray) and rows.is_cuda and fused_kernel_usable(rows.device):
         import torch
 
         # One launch straight to ``dtype``: no float32 copy of each video and no concatenation.
         return fused_pixel_values(rows, vision, grid_thw, dtype or torch.float32, video=True)
+    return unfused_video_pixel_values(rows, vision, grid_thw, dtype)
+
+
+def unfused_video_pixel_values(rows, vision: VisionSpec, grid_thw, dtype=None):
+    """``to_video_pixel_values`` by numpy or torch array ops, one permute and normalize per video
+    (the path on the CPU and where the fused kernel cannot run)."""
+    p, m, tps = vision.patch_size, vision.merge_size, vision.temporal_patch_size
+    width = 3 * tps * p * p
     mean = np.asarray(vision.image_mean, np.float32).reshape(3, 1, 1, 1)
     scale = (1 / (255.0 * np.asarray(vision.image_std, np.float32))).reshape(3, 1, 1, 1)
     shift = mean / np.asarray(vision.image_std, np.float32).reshape(3, 1, 1, 1)
