@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostErro
 
 from datasvc.blend import merge_source_stats
 from datasvc.batch import PackedBatch
+from datasvc.cluster import unreachable_head
 from datasvc.config import ServiceConfig
 from datasvc.locality import release_budgets, this_node
 from datasvc.registry import get_layout
@@ -196,7 +197,17 @@ class DataClient:
                         continue
         except BaseException as exc:
             if not self._halt.is_set():  # a halted client has no reader left to take it
-                self._ahead.put(exc)
+                self._ahead.put(self._named_cause(exc))
+
+    def _named_cause(self, exc: BaseException) -> BaseException:
+        """``exc``, or when the Ray head is gone, an error that says so and how to go on."""
+        if isinstance(exc, (EndOfData, KeyboardInterrupt)) or (head := unreachable_head()) is None:
+            return exc
+        error = DataServiceError(f"dp_rank {self.dp_rank}: the Ray head at {head} is unreachable, so the cluster "
+                                 f"is lost; start a new one and resume with restore_state() of the last "
+                                 f"save_state()")
+        error.__cause__ = exc
+        return error
 
     def _fetch(self, step: int) -> list:
         """``[PackedBatch, position]`` of ``step``, or ``[End]``. A micro-batch whose feeder died after

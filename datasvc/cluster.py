@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import tempfile
 
 import ray
@@ -47,6 +48,22 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     temp_dir = temp_dir or os.path.join(tempfile.gettempdir(), "vlmfeed-ray")
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus,
              object_store_memory=object_store_memory, runtime_env=env, log_to_driver=True, _temp_dir=temp_dir)
+
+
+def unreachable_head(timeout_s: float = 2.0) -> str | None:
+    """The address of this process's Ray head (its GCS) when it no longer accepts connections, else
+    None. Asked after a Ray call failed, to tell a lost head from a lost actor: Ray's own wording for
+    it differs with whichever of its clients notices first."""
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # not connected, or a Ray whose context lacks it: nothing to tell
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError:
+        return address
 
 
 def local_auth_env() -> dict[str, str]:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import textwrap
 import time
 import uuid
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -243,13 +245,29 @@ def test_node_budget_shares_one_node_between_feeders():
     assert replica_nodes(["a", "b", "b", "c"], [0, 0, 0, 1]) == {0: "b", 1: "c"}
 
 
-LOST_HEAD = re.compile(r"Failed to connect to GCS|raylet (failed|death|is dead|has died)|Raylet IPC connection failed"
+LOST_HEAD = re.compile(r"CLIENT-ERROR DataServiceError .*the Ray head at \S+ is unreachable"
+                       r"|Failed to connect to GCS|raylet (failed|death|is dead|has died)|Raylet IPC connection failed"
                        r"|connection to the plasma store is failed", re.I)
 
 
 def driver_core_log(temp_dir: str, pid: int) -> str:
     paths = glob.glob(os.path.join(temp_dir, "session_2*", "logs", f"python-core-driver-*_{pid}.log"))
     return "".join(open(p, errors="replace").read() for p in paths)
+
+
+def test_unreachable_head_tells_a_listening_gcs_from_a_closed_port(monkeypatch):
+    from datasvc import cluster
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        live = "127.0.0.1:%d" % listening.getsockname()[1]
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+            gone = "127.0.0.1:%d" % closed.getsockname()[1]
+            for address, expected in ((live, None), (gone, gone)):
+                monkeypatch.setattr(cluster.ray, "get_runtime_context", lambda a=address: SimpleNamespace(gcs_address=a))
+                assert cluster.unreachable_head(timeout_s=1.0) == expected
 
 
 HEAD_LOSS_DRIVER = textwrap.dedent("""
@@ -299,9 +317,10 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
             driver.kill()
         c.shutdown()
     assert driver.returncode != 0
-    # Ray ends the driver, naming the cause, in whichever way it notices first (no Python error
-    # reaches us): the GCS stays unreachable (said on stderr), or the local raylet is gone (said in the
-    # driver's core log), or with it the raylet's object store (said on stderr).
+    # Either the client's error reaches the driver and names the lost head, or Ray ends the driver
+    # first, naming the cause in whichever way it notices: the GCS stays unreachable (said on stderr),
+    # or the local raylet is gone (said in the driver's core log), or with it the raylet's object store
+    # (said on stderr).
     said = log + driver_core_log(temp_dir, driver.pid)
     assert LOST_HEAD.search(said), (driver.returncode, said[-3000:])
     saved = json.load(open(out))
