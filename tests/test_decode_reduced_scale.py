@@ -61,12 +61,17 @@ def _assert_matches_hf(data: bytes, spec: VisionSpec, decoder, what: str) -> flo
 
 
 def test_dct_scale_is_the_smallest_that_covers_the_target():
-    """The largest scale whose output is still 1.5x the target on both sides."""
-    assert jpegscale.dct_scale((3000, 4000), (864, 1184)) == 2  # 1500x2000 >= 1.5x; 750x1000 is not
-    assert jpegscale.dct_scale((3000, 4000), (352, 480)) == 4  # 375x500 is under 1.5x
-    assert jpegscale.dct_scale((3000, 4000), (1504, 2016)) == 1  # over a third of the source
-    assert jpegscale.dct_scale((1001, 1001), (334, 334)) == 2  # ceil(1001/2) = 501 = 1.5 * 334
-    assert jpegscale.dct_scale((1001, 999), (334, 334)) == 1  # 500 < 501
+    """The largest scale whose output covers the target on both sides: 1/2 just covering it, 1/4 and
+    1/8 by 1.5x."""
+    assert jpegscale.dct_scale((3000, 4000), (864, 1184)) == 2  # 1500x2000 covers it; 750x1000 is not 1.5x
+    assert jpegscale.dct_scale((3000, 4000), (1472, 1984)) == 2  # 1500x2000 just covers it
+    assert jpegscale.dct_scale((3000, 4000), (1504, 2016)) == 1  # over half the source
+    assert jpegscale.dct_scale((3000, 4000), (352, 480)) == 4  # 375x500 is under 1.5x for 1/8
+    assert jpegscale.dct_scale((3000, 4000), (240, 320)) == 8  # 375x500 is over 1.5x
+    assert jpegscale.dct_scale((1001, 1001), (501, 501)) == 2  # ceil(1001/2) = 501
+    assert jpegscale.dct_scale((1001, 999), (501, 501)) == 1  # 500 < 501
+    assert jpegscale.dct_scale((1001, 1001), (167, 167)) == 4  # ceil(1001/4) = 251 >= 1.5 * 167 = 250.5
+    assert jpegscale.dct_scale((1001, 999), (167, 167)) == 2  # 250 < 250.5 for 1/4
     assert jpegscale.scaled_hw((1001, 999), 4) == (251, 250)  # libjpeg rounds up
 
 
