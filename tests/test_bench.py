@@ -30,6 +30,7 @@ def test_bench_decode_tiny(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["photos"]["count"] == 4 and positive(rep["photos"]["megapixels_total"])
     expected = {"torchvision_decode_jpeg": "a", "pil_decode": "a", "dali_cpu_decode": "a",
+                "libjpeg_turbo_decode_opencv_resize": "a+",
                 "hf_qwen2vl_torchvision": "b", "hf_qwen2vl_pil": "b",
                 "ours_pixel_values": "c", "ours_uint8_pixel_rows": "c", "baseline_uint8_patch_order": "c-"}
     for name, group in expected.items():
@@ -40,6 +41,9 @@ def test_bench_decode_tiny(tmp_path):
     assert rep["results"][rep["fastest_hf"]]["group"] == "b"
     for c in ("ours_pixel_values", "ours_uint8_pixel_rows", "baseline_uint8_patch_order"):
         assert positive(rep["ratios"][c]["vs_fastest_decode"]) and positive(rep["ratios"][c]["vs_fastest_hf"])
+        assert positive(rep["ratios"][c]["vs_decode_and_resize"])
+    floor = rep["actors_cpu_over_decode_and_resize"]
+    assert floor["ratio_min"] <= floor["ratio_median"] <= floor["ratio_max"]
     assert set(rep["goals"]) >= {"vs_fastest_decode", "vs_fastest_hf", "met_vs_decode", "met_vs_hf"}
     prof = rep["profile_ours"]
     assert set(prof) == {"probe", "decode", "resize", "to_pixel_values"}
