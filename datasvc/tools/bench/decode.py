@@ -5,8 +5,9 @@ only), on the same set of realistic JPEG photos (0.3-4 MP, q90, built from the r
 shipped in installed wheels), and reports images/s and MP/s (source megapixels) for:
 
   (a) raw decode only: torchvision.io.decode_jpeg (libjpeg-turbo), PIL, DALI CPU;
-  (a+) the floor of any path that must resize: libjpeg-turbo decode, then OpenCV's resize to the
-      pipeline's target size (the interpolation our CPU path picks), nothing else;
+  (a+) the floor of any path that must resize: libjpeg-turbo decode of the full frame, then the
+      resize our CPU path makes from it (``jpegscale.fit_uint8``: OpenCV, halving large frames
+      first) to the pipeline's target size, nothing else;
   (b) the HF Qwen2-VL image processor at the pipeline's settings on PIL images decoded from the
       bytes (decode included), both the torchvision backend and the PIL backend of transformers 5.x;
   (c) our CPU path: ``preprocess_images`` to uint8 pixel rows (what the preprocessing actors do
@@ -84,16 +85,16 @@ def _opencv_decode(photos):
 
 
 def _decode_and_resize(spec):
-    """torchvision's libjpeg-turbo decode, then ``jpegscale.resize_uint8`` to the smart-resize target."""
+    """torchvision's libjpeg-turbo decode, then ``jpegscale.fit_uint8`` to the smart-resize target."""
     import torch
     from torchvision.io import decode_jpeg
 
-    from datasvc.jpegscale import resize_uint8
+    from datasvc.jpegscale import fit_uint8
 
     def run(photos):
         for p in photos:
             img = decode_jpeg(torch.frombuffer(bytearray(p.data), dtype=torch.uint8)).permute(1, 2, 0).numpy()
-            resize_uint8(img, spec.target_size(p.height, p.width))
+            fit_uint8(img, spec.target_size(p.height, p.width))
     return run
 
 
