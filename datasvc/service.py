@@ -99,6 +99,8 @@ class _Pool:
 
     def _new(self):
         opts = {"num_cpus": self.cfg.decode_threads}
+        if env := self.cfg.actor_env():  # read by glibc when the process starts: set per actor, not later
+            opts["runtime_env"] = {"env_vars": env}
         if self.cfg.decode == "gpu":
             opts["num_gpus"] = self.cfg.decode_gpu_share
         return PreprocessActor.options(**opts, **near(getattr(self.place, "node", None))).remote(self.cfg)
