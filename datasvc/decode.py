@@ -138,9 +138,9 @@ class CpuDecoder:
                       timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
         t0, resize_s = time.perf_counter(), []
 
-        def finish(job: DecodeJob, img, expect_hw=None):
+        def finish(job: DecodeJob, img, scale: int = 1):
             t = time.perf_counter()
-            rows = _finish(job, img, expect_hw or job.header.stored_hw, spec)
+            rows = _finish(job, img, scale, spec)
             resize_s.append(time.perf_counter() - t)
             return rows
 
@@ -170,17 +170,19 @@ def _turbo_rows(job: DecodeJob, finish: Callable) -> np.ndarray | ImageRejected 
     stored = job.header.stored_hw
     d = jpegscale.dct_scale(stored, job.decode_hw)
     img = jpegscale.decode_scaled(job.data, d)
-    return None if img is None else finish(job, img, jpegscale.scaled_hw(stored, d))
+    return None if img is None else finish(job, img, d)
 
 
-def _finish(job: DecodeJob, img, expect_hw: tuple[int, int], spec: VisionSpec):
-    """A decoded frame -> its pixel rows: resized to the target, then oriented; a fresh array,
-    never a view of the decoder's buffer."""
+def _finish(job: DecodeJob, img, scale: int, spec: VisionSpec):
+    """A frame decoded at 1/``scale`` of its stored size -> its pixel rows: resized to the target,
+    then oriented; a fresh array, never a view of the decoder's buffer."""
     if not isinstance(img, np.ndarray):
         return img
+    stored = job.header.stored_hw
+    expect_hw = jpegscale.scaled_hw(stored, scale)
     if img.shape[:2] != expect_hw:
         return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header {expect_hw}")
-    resized = jpegscale.fit_uint8(img, job.decode_hw)
+    resized = jpegscale.fit_uint8(img, job.decode_hw, (stored[0] / scale, stored[1] / scale))
     if job.header.orientation == 1 and resized is img:
         resized = img.copy()  # already at the target: the one case that would alias DALI's buffer
     return pixel_rows(orient(resized, job.header.orientation), spec)

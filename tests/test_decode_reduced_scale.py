@@ -86,6 +86,34 @@ def test_large_photos_match_hf_where_the_scale_kicks_in(any_decoder, cap):
     assert scales & {2, 4, 8}, f"no reduced scale used: {scales}"
 
 
+@pytest.mark.parametrize("odd", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_halving_keeps_the_geometry_of_odd_sided_frames(any_decoder, odd):
+    """A frame 2.7x its target is halved first; an odd side must not stretch it. Dropping the odd
+    row and column instead put this photo at 0.0206 mean |diff| from HF, past the bound."""
+    name, img = next((n, i) for n, i in _colour_photos(10) if n == "china")
+    h, w = 2266 + odd[0], 3400 + odd[1]
+    big = np.asarray(Image.fromarray(img).resize((w, h), Image.LANCZOS), np.float32)
+    big += np.random.default_rng(17).normal(0.0, 2.5, big.shape).astype(np.float32)
+    data = _jpeg(np.clip(big + 0.5, 0, 255).astype(np.uint8))
+    spec = VisionSpec(max_pixels=1024 * 1024)
+    assert spec.target_size(h, w) == (832, 1248)
+    assert _assert_matches_hf(data, spec, any_decoder, f"{name} {h}x{w}") < 0.01
+
+
+def test_fit_maps_the_target_onto_the_extent_it_is_told():
+    """A 1/2-scale decode of a 1001-row frame has 501 rows but spans 500.5: the target must sample
+    the frame where HF's full-frame resize does. On a ramp whose value is the source row, each
+    target row must read its own centre's row (told 501, the last ones would be a row off)."""
+    src_rows = np.arange(1001, dtype=np.float32)
+    half = np.append((src_rows[0:1000:2] + src_rows[1:1000:2]) / 2, src_rows[1000])  # 501 rows
+    frame = np.repeat(np.repeat(half[:, None, None], 8, axis=1), 3, axis=2)
+    out = jpegscale.fit_uint8(frame, (100, 4), (500.5, 8.0))[:, :, 0]
+    centres = (np.arange(100) + 0.5) * 1001 / 100 - 0.5
+    assert np.abs(out - centres[:, None]).max() < 0.05
+    wrong = jpegscale.fit_uint8(frame, (100, 4))[:, :, 0]
+    assert np.abs(wrong - centres[:, None]).max() > 0.5
+
+
 @pytest.mark.parametrize("kind", ["grayscale", "progressive", "exif6", "exif3", "cmyk", "subsampling444"])
 def test_turbo_option_keeps_every_jpeg_kind_exact(turbo_decoder, kind):
     img = _large(_colour_photos(1)[0][1], 2600)
