@@ -340,7 +340,7 @@ def plot_decode(rep: dict, path: str) -> None:
                label=f"goal: {goals['vs_fastest_hf']:g}x fastest HF")
     ax.set_xlabel("images/s, one core")
     ax.set_title(f"{rep['photos']['count']} JPEGs, {rep['photos']['megapixels_min']}-"
-                 f"{rep['photos']['megapixels_max']} MP: (a) decode, (b) HF, (c) ours", fontsize=10)
+                 f"{rep['photos']['megapixels_max']} MP: (a) decode, (a+) decode + resize, (b) HF, (c) ours", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     prof = rep["profile_ours"]
     left = 0.0
