@@ -91,9 +91,8 @@ def fit_uint8(image: np.ndarray, target_hw: tuple[int, int],
     Large frames are first halved while at least twice the target on both sides, an odd side padded
     by its last row or column: OpenCV's area average is fast only at exactly 2x (12 MP in 4.8 ms on
     one core here, against 20-27 ms at 3x or 4x and 55 ms at 3.38x). The rest, a shrink of under 2x,
-    is ``resize_rest`` where the halved image spans the extent exactly, else a bilinear warp that
-    keeps the exact geometry. Dropping the odd row instead stretched the
-    frame by up to a pixel: 0.0206 mean |diff| from HF on a photo at 2.7x its 1 MP target, against
+    is ``resize_rest`` where the halved image spans the extent exactly, else the same steps as a
+    warp onto the extent. Dropping the odd row instead stretched the frame by up to a pixel: 0.0206 mean |diff| from HF on a photo at 2.7x its 1 MP target, against
     0.0040 for an area resize of the full frame; halving with the geometry kept gives 0.0062 at most
     over 20 photos of 4-16 MP at that cap, in 8.2 ms against 13.8 ms."""
     th, tw = target_hw
@@ -107,12 +106,22 @@ def fit_uint8(image: np.ndarray, target_hw: tuple[int, int],
         scale *= 2
     if image.shape[:2] == (eh / scale, ew / scale):  # even sides all the way: the image spans the extent
         return resize_rest(image, target_hw)
-    # Target pixel i's centre lies at (i + 0.5) * extent / target in the frame, a halved pixel j's
-    # at (j + 0.5) * scale: the warp maps each target pixel to that point (WARP_INVERSE_MAP).
-    ax, ay = ew / scale / tw, eh / scale / th
+    return _warp_rest(image, target_hw, (eh / scale, ew / scale))
+
+
+def _warp_rest(image: np.ndarray, target_hw: tuple[int, int], extent_hw: tuple[float, float]) -> np.ndarray:
+    """A shrink of under 2x onto ``extent_hw`` of ``image``: a bilinear warp, which keeps the exact
+    geometry; past a quarter, to twice the target and then halved, as ``resize_rest`` does."""
+    th, tw = target_hw
+    eh, ew = extent_hw
+    grow = 2 if min(th / eh, tw / ew) < 0.75 else 1
+    # Output pixel i's centre lies at (i + 0.5) * extent / output in the image's own pixels: the
+    # warp maps each output pixel to that point (WARP_INVERSE_MAP).
+    ax, ay = ew / (grow * tw), eh / (grow * th)
     m = np.array([[ax, 0.0, 0.5 * ax - 0.5], [0.0, ay, 0.5 * ay - 0.5]])
-    return cv2.warpAffine(image, m, (tw, th), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-                          borderMode=cv2.BORDER_REPLICATE)
+    out = cv2.warpAffine(image, m, (grow * tw, grow * th), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                         borderMode=cv2.BORDER_REPLICATE)
+    return _halve(out) if grow == 2 else out
 
 
 def _halve(image: np.ndarray) -> np.ndarray:
@@ -125,14 +134,18 @@ def _halve(image: np.ndarray) -> np.ndarray:
 
 
 def resize_rest(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
-    """The resize of a frame under twice the target: OpenCV's cubic when growing or shrinking by under a quarter
-    (as ``resize_uint8``), else its area average. Cubic aliases there (0.023 mean |diff| from HF on
-    the Hubble deep field at 0.51x); area stays within the bound. Torch's antialiased bicubic (HF's
-    own resize) is 2-3x faster than area at ratios that are not whole, but importing torch costs a
-    CPU actor about 400 MB of resident memory, which a node's many actors cannot spare."""
+    """The resize of a frame under twice the target: OpenCV's cubic when growing or shrinking by
+    under a quarter (as ``resize_uint8``); past a quarter, bilinear to twice the target, then the
+    exact-2x area average. A bilinear or cubic shrink alone aliases there (bilinear 0.0345 mean
+    |diff| from HF on a native photo at 0.51x, cubic 0.023 on the Hubble deep field); the two steps
+    stay at 0.013 where OpenCV's area average gives 0.011, in a half to two thirds of its time at
+    ratios that are not whole. Torch's antialiased bicubic (HF's own resize) is faster still, but
+    importing torch costs a CPU actor about 400 MB of resident memory, which a node's many actors
+    cannot spare."""
     th, tw = target_hw
     h, w = image.shape[:2]
     if (h, w) == (th, tw):
         return image
-    mild = min(th / h, tw / w) >= 0.75
-    return cv2.resize(image, (tw, th), interpolation=cv2.INTER_CUBIC if mild or th * tw >= h * w else cv2.INTER_AREA)
+    if min(th / h, tw / w) >= 0.75 or th * tw >= h * w:
+        return cv2.resize(image, (tw, th), interpolation=cv2.INTER_CUBIC)
+    return _halve(cv2.resize(image, (2 * tw, 2 * th), interpolation=cv2.INTER_LINEAR))
