@@ -58,8 +58,9 @@ class ServiceConfig:
     actor_malloc_tunables: str = ACTOR_MALLOC_TUNABLES
     """glibc's allocator settings (``GLIBC_TUNABLES``) for the preprocessing actors' processes. The
     default spares a large photo's decode most of its page faults: 1.2-1.25x less CPU per image in
-    the actors on 8-16 MP photos, the same on 1-4 MP (docs/benchmarks.md, "CPU decode"). Empty:
-    glibc's defaults. Entries of a GLIBC_TUNABLES the driver was started with win over these."""
+    the actors on 8-16 MP photos, the same on 1-4 MP (docs/benchmarks.md, "CPU preprocessing per
+    core"). Empty: glibc's defaults. Entries of a GLIBC_TUNABLES that the cluster's processes were
+    started with win over these."""
     min_actors: int = 1
     max_actors: int = 2
     """Preprocessing actors per data-parallel rank, autoscaled between these."""
