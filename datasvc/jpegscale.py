@@ -13,9 +13,9 @@ upsampling and colour conversion of an image that is going to be shrunk anyway; 
 an explicit option of ``decode.CpuDecoder`` (``jpeg="libjpeg-turbo"``), not the default.
 
 Exactness against the HF processor (an antialiased bicubic from the full frame): the scale stops
-at the target for 1/2 and 1.5x above it for 1/4 and 1/8 (``dct_scale``), and the rest is antialiased (``fit_uint8``), which keeps it
-as close to HF as the full-frame DALI path (mean |diff| under 0.01 in normalized pixel_values units
-on large photos; the HF tests allow 0.02).
+at the target for 1/2 and 1.5x above it for 1/4 and 1/8 (``dct_scale``), and the rest is
+antialiased (``fit_uint8``), which keeps it as close to HF as the full-frame DALI path (mean |diff|
+under 0.01 in normalized pixel_values units on large photos; the HF tests allow 0.02).
 """
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def dct_scale(stored_hw: tuple[int, int], target_hw: tuple[int, int]) -> int:
     Why the margins differ: the 1/4 and 1/8 IDCTs filter coarsely, and with no margin (output just
     covering the target) that showed through, 0.021 mean |diff| from HF on a 2400-px coffee photo
     capped at 0.26 MP; with 1.5x left to the antialiased resize, 0.009, as the full-frame path. The
-    1/2 IDCT stays as close to HF with no margin as with 1.5x (0.0079 against 0.0078 at most on
-    4-16 MP photos under a 1 MP cap, 0.0159 both under 0.26 MP), and taking it on photos of 2-3x
-    the target's sides cut the option's CPU time there by about a sixth."""
+    1/2 IDCT stays as close to HF with no margin as with 1.5x (0.0090 against 0.0092 at most on
+    20 photos of 4-16 MP under a 1 MP cap), and taking it on photos of 2-3x the target's sides
+    cuts the option's CPU time there 1.32x (docs/results/cpu-2core-vm/decode-4x-cap-half-scale-paired.json)."""
     th, tw = target_hw
     for d in _SCALES:
         h, w = scaled_hw(stored_hw, d)
@@ -90,38 +90,53 @@ def fit_uint8(image: np.ndarray, target_hw: tuple[int, int],
 
     Large frames are first halved while at least twice the target on both sides, an odd side padded
     by its last row or column: OpenCV's area average is fast only at exactly 2x (12 MP in 4.8 ms on
-    one core here, against 20-27 ms at 3x or 4x and 55 ms at 3.38x). The rest, a shrink of under 2x,
-    is ``resize_rest`` where the halved image spans the extent exactly, else the same steps as a
-    warp onto the extent. Dropping the odd row instead stretched the frame by up to a pixel: 0.0206 mean |diff| from HF on a photo at 2.7x its 1 MP target, against
-    0.0040 for an area resize of the full frame; halving with the geometry kept gives 0.0062 at most
-    over 20 photos of 4-16 MP at that cap, in 8.2 ms against 13.8 ms."""
+    one core here, against 20-27 ms at 3x or 4x and 55 ms at 3.38x). ``resize_rest`` does the rest,
+    onto the extent the halved image spans. Dropping the odd row instead stretched the frame by up
+    to a pixel: 0.0206 mean |diff| from HF on a photo at 2.7x its 1 MP target; with the geometry
+    kept, 0.0092 at most over 20 photos of 4-16 MP at that cap."""
     th, tw = target_hw
-    h, w = image.shape[:2]
-    eh, ew = extent_hw or (h, w)
-    if (eh, ew) == (h, w) and not (h >= 2 * th and w >= 2 * tw):
-        return resize_rest(image, target_hw)
+    eh, ew = extent_hw or image.shape[:2]
     scale = 1
     while image.shape[0] >= 2 * th and image.shape[1] >= 2 * tw:
         image = _halve(image)
         scale *= 2
-    if image.shape[:2] == (eh / scale, ew / scale):  # even sides all the way: the image spans the extent
-        return resize_rest(image, target_hw)
-    return _warp_rest(image, target_hw, (eh / scale, ew / scale))
+    return resize_rest(image, target_hw, (eh / scale, ew / scale))
 
 
-def _warp_rest(image: np.ndarray, target_hw: tuple[int, int], extent_hw: tuple[float, float]) -> np.ndarray:
-    """A shrink of under 2x onto ``extent_hw`` of ``image``: a bilinear warp, which keeps the exact
-    geometry; past a quarter, to twice the target and then halved, as ``resize_rest`` does."""
+def resize_rest(image: np.ndarray, target_hw: tuple[int, int],
+                extent_hw: tuple[float, float] | None = None) -> np.ndarray:
+    """The resize of a frame under twice the target, spanning ``extent_hw`` of it (its whole unless
+    told): cubic when growing or shrinking by under a quarter (bilinear onto a partial extent, where
+    OpenCV warps); past a quarter, bilinear to twice the target, then the exact-2x area average. A
+    bilinear or cubic shrink alone aliases there (bilinear 0.0345 mean |diff| from HF on a native
+    photo at 0.51x, cubic 0.023 on the Hubble deep field); the two steps stay at 0.013 where
+    OpenCV's area average gives 0.011, in a half to two thirds of its time at ratios that are not
+    whole. Torch's antialiased bicubic (HF's own resize) is faster still, but importing torch costs
+    a CPU actor about 400 MB of resident memory, which a node's many actors cannot spare."""
     th, tw = target_hw
+    whole = extent_hw is None or tuple(extent_hw) == image.shape[:2]
+    eh, ew = image.shape[:2] if whole else extent_hw
+    if whole and (eh, ew) == (th, tw):
+        return image
+    if min(th / eh, tw / ew) >= 0.75 or th * tw >= eh * ew:
+        return _resample(image, target_hw, (eh, ew), cv2.INTER_CUBIC if whole else cv2.INTER_LINEAR)
+    return _halve(_resample(image, (2 * th, 2 * tw), (eh, ew), cv2.INTER_LINEAR))
+
+
+def _resample(image: np.ndarray, out_hw: tuple[int, int], extent_hw: tuple[float, float],
+              interpolation: int) -> np.ndarray:
+    """``image`` resampled to ``out_hw``, the output spanning ``extent_hw`` of it: OpenCV's resize
+    where that is the whole image, else a warp with the same pixel-centre mapping."""
+    oh, ow = out_hw
     eh, ew = extent_hw
-    grow = 2 if min(th / eh, tw / ew) < 0.75 else 1
+    if (eh, ew) == image.shape[:2]:
+        return cv2.resize(image, (ow, oh), interpolation=interpolation)
     # Output pixel i's centre lies at (i + 0.5) * extent / output in the image's own pixels: the
     # warp maps each output pixel to that point (WARP_INVERSE_MAP).
-    ax, ay = ew / (grow * tw), eh / (grow * th)
+    ax, ay = ew / ow, eh / oh
     m = np.array([[ax, 0.0, 0.5 * ax - 0.5], [0.0, ay, 0.5 * ay - 0.5]])
-    out = cv2.warpAffine(image, m, (grow * tw, grow * th), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-                         borderMode=cv2.BORDER_REPLICATE)
-    return _halve(out) if grow == 2 else out
+    return cv2.warpAffine(image, m, (ow, oh), flags=interpolation | cv2.WARP_INVERSE_MAP,
+                          borderMode=cv2.BORDER_REPLICATE)
 
 
 def _halve(image: np.ndarray) -> np.ndarray:
@@ -131,21 +146,3 @@ def _halve(image: np.ndarray) -> np.ndarray:
     if h % 2 or w % 2:
         image = cv2.copyMakeBorder(image, 0, h % 2, 0, w % 2, cv2.BORDER_REPLICATE)
     return cv2.resize(image, (image.shape[1] // 2, image.shape[0] // 2), interpolation=cv2.INTER_AREA)
-
-
-def resize_rest(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
-    """The resize of a frame under twice the target: OpenCV's cubic when growing or shrinking by
-    under a quarter (as ``resize_uint8``); past a quarter, bilinear to twice the target, then the
-    exact-2x area average. A bilinear or cubic shrink alone aliases there (bilinear 0.0345 mean
-    |diff| from HF on a native photo at 0.51x, cubic 0.023 on the Hubble deep field); the two steps
-    stay at 0.013 where OpenCV's area average gives 0.011, in a half to two thirds of its time at
-    ratios that are not whole. Torch's antialiased bicubic (HF's own resize) is faster still, but
-    importing torch costs a CPU actor about 400 MB of resident memory, which a node's many actors
-    cannot spare."""
-    th, tw = target_hw
-    h, w = image.shape[:2]
-    if (h, w) == (th, tw):
-        return image
-    if min(th / h, tw / w) >= 0.75 or th * tw >= h * w:
-        return cv2.resize(image, (tw, th), interpolation=cv2.INTER_CUBIC)
-    return _halve(cv2.resize(image, (2 * tw, 2 * th), interpolation=cv2.INTER_LINEAR))
