@@ -14,7 +14,8 @@ from datasvc.filters import Rule
 # Decoded frames on transparent huge pages (where the kernel grants them on request), freed blocks up
 # to 32 MiB kept on the heap instead of unmapped, and up to 64 MiB of free heap kept: a new frame
 # reuses memory instead of faulting in fresh 4 KiB pages (about 6,000 faults per 8-16 MP photo).
-ACTOR_MALLOC_TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=67108864"
+ACTOR_MALLOC_TUNABLES = ":".join(("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
+                                  "glibc.malloc.trim_threshold=67108864"))
 _TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[0-9A-Za-z_]+")
 
 
@@ -147,8 +148,8 @@ class ServiceConfig:
             problems.append(f"decode_gpu_share must be in (0, 1], not {self.decode_gpu_share}")
         bad = [t for t in self.actor_malloc_tunables.split(":") if t and not _TUNABLE.fullmatch(t)]
         if bad:
-            problems.append(f"actor_malloc_tunables: {bad} are not glibc tunables (glibc.NAMESPACE.NAME=VALUE, "
-                            f"joined by ':'); use '' for glibc's defaults")
+            problems.append(f"actor_malloc_tunables: {bad} are not glibc tunables "
+                            f"(glibc.NAMESPACE.NAME=VALUE, joined by ':'); use '' for glibc's defaults")
         if self.decode not in ("cpu", "gpu"):
             problems.append(f"decode must be 'cpu' or 'gpu', not {self.decode!r}")
         if self.seq_len < 16 or self.micro_batch_size < 1:

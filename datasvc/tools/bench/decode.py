@@ -69,12 +69,17 @@ def paired_cpu_ratio(fast, slow, photos: list[Photo], rounds: int = 7) -> dict:
             "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)}
 
 
-def _torchvision_decode(photos):
+def _libjpeg_turbo_decode(data: bytes):
+    """torchvision's ``decode_jpeg`` (libjpeg-turbo): a [3, h, w] uint8 tensor."""
     import torch
     from torchvision.io import decode_jpeg
 
+    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def _torchvision_decode(photos):
     for p in photos:
-        decode_jpeg(torch.frombuffer(bytearray(p.data), dtype=torch.uint8))
+        _libjpeg_turbo_decode(p.data)
 
 
 def _opencv_decode(photos):
@@ -86,15 +91,11 @@ def _opencv_decode(photos):
 
 def _decode_and_resize(spec):
     """torchvision's libjpeg-turbo decode, then ``jpegscale.fit_uint8`` to the smart-resize target."""
-    import torch
-    from torchvision.io import decode_jpeg
-
     from datasvc.jpegscale import fit_uint8
 
     def run(photos):
         for p in photos:
-            img = decode_jpeg(torch.frombuffer(bytearray(p.data), dtype=torch.uint8)).permute(1, 2, 0).numpy()
-            fit_uint8(img, spec.target_size(p.height, p.width))
+            fit_uint8(_libjpeg_turbo_decode(p.data).permute(1, 2, 0).numpy(), spec.target_size(p.height, p.width))
     return run
 
 
@@ -244,7 +245,8 @@ def _ratios(results: dict) -> tuple[str, str, dict, dict]:
         ratios[c] = {
             "vs_fastest_decode": round(rc / results[fastest_a]["images_per_s"], 3),
             "vs_fastest_hf": round(rc / results[fastest_b]["images_per_s"], 3),
-            **({"vs_decode_and_resize": round(rc / floor["images_per_s"], 3)} if floor else {}),
+            **({"vs_decode_and_resize": round(rc / floor["images_per_s"], 3)}
+               if floor else {}),
             **({"vs_hf_pil": round(rc / results["hf_qwen2vl_pil"]["images_per_s"], 2)}
                if "hf_qwen2vl_pil" in results else {}),
         }
