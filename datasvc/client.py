@@ -19,7 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostErro
 
 from datasvc.blend import merge_source_stats
 from datasvc.batch import PackedBatch
-from datasvc.cluster import unreachable_head
+from datasvc.cluster import head_address, unreachable_head
 from datasvc.config import ServiceConfig
 from datasvc.locality import release_budgets, this_node
 from datasvc.registry import get_layout
@@ -47,6 +47,7 @@ class DataClient:
         self._halt = threading.Event()
         self._owned_feeder = None
         self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
+        self._head = head_address()  # noted now: once the head is lost Ray may no longer say it
         self.wait_s = 0.0
         self.transfer_s = 0.0
         self.delivered = 0
@@ -201,7 +202,7 @@ class DataClient:
 
     def _named_cause(self, exc: BaseException) -> BaseException:
         """``exc``, or when the Ray head is gone, an error that says so and how to go on."""
-        if isinstance(exc, (EndOfData, KeyboardInterrupt)) or (head := unreachable_head()) is None:
+        if isinstance(exc, (EndOfData, KeyboardInterrupt)) or (head := unreachable_head(address=self._head)) is None:
             return exc
         error = DataServiceError(f"dp_rank {self.dp_rank}: the Ray head at {head} is unreachable, so the cluster "
                                  f"is lost; start a new one and resume with restore_state() of the last "

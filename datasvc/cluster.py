@@ -50,13 +50,22 @@ def connect(address: str | None = None, num_cpus: int | None = None,
              object_store_memory=object_store_memory, runtime_env=env, log_to_driver=True, _temp_dir=temp_dir)
 
 
-def unreachable_head(timeout_s: float = 2.0) -> str | None:
-    """The address of this process's Ray head (its GCS) when it no longer accepts connections, else
-    None. Asked after a Ray call failed, to tell a lost head from a lost actor: Ray's own wording for
-    it differs with whichever of its clients notices first."""
+def head_address() -> str | None:
+    """The address of this process's Ray head (its GCS), None when not connected."""
     try:
-        address = ray.get_runtime_context().gcs_address
-    except Exception:  # not connected, or a Ray whose context lacks it: nothing to tell
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # not connected, or a Ray whose context lacks it
+        return None
+
+
+def unreachable_head(timeout_s: float = 2.0, address: str | None = None) -> str | None:
+    """``address`` (this process's Ray head unless told) when it no longer accepts connections,
+    else None. Asked after a Ray call failed, to tell a lost head from a lost actor: Ray's own
+    wording for it differs with whichever of its clients notices first. Callers that may ask once
+    the head is gone pass the address they noted while connected: by then Ray may have torn down
+    the context that holds it."""
+    address = address or head_address()
+    if not address:
         return None
     host, _, port = address.rpartition(":")
     try:

@@ -322,7 +322,8 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
     # or the local raylet is gone (said in the driver's core log), or with it the raylet's object store
     # (said on stderr).
     said = log + driver_core_log(temp_dir, driver.pid)
-    assert LOST_HEAD.search(said), (driver.returncode, said[-3000:])
+    assert LOST_HEAD.search(said), (driver.returncode, [ln for ln in said.splitlines() if "CLIENT-ERROR" in ln],
+                                    said[-3000:])
     saved = json.load(open(out))
     assert saved["got"] == ref[:3]
 
