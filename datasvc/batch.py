@@ -54,6 +54,9 @@ class EncodedSample:
     labels: np.ndarray  # int32 [L], already shifted: labels[i] is the target for position i
     pixels: np.ndarray  # uint8 [sum(h*w), 3*P*P]: each image's ``vision.pixel_rows`` in turn
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
+    # int64 [n_images, 2]: the (h, w) of the frame each image's rows hold, when some hold a decoded
+    # frame the consumer resizes to its grid's size (``vision.FrameRows``); None: all at that size.
+    image_frame_hw: np.ndarray | None = None
     # Videos: uint8 [sum(t*T*h*w), 3*P*P], each video's frames (padded to the temporal patch T) one
     # after the other in raster order (``datasvc.video.frames_to_rows``); grids [n_videos, 3].
     video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)
@@ -65,7 +68,7 @@ class EncodedSample:
 
     @property
     def num_patches(self) -> int:
-        return int(self.pixels.shape[0])
+        return grid_patches(self.image_grid_thw)
 
     @property
     def num_video_patches(self) -> int:
@@ -94,6 +97,7 @@ class PackedBatch:
     num_samples: np.ndarray  # int32 [B]
     pixels: np.ndarray  # uint8 [N, 3*P*P]: each image's ``vision.pixel_rows`` in turn
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
+    image_frame_hw: np.ndarray | None = None  # as EncodedSample's, over all images
     sample_keys: list[str] = field(default_factory=list)  # "shard/key", in row-major order
     sample_rows: np.ndarray | None = None  # int32 [n_samples]: the row each key sits in
     video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)  # as EncodedSample's, in turn
@@ -111,7 +115,8 @@ class PackedBatch:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.tokens, self.labels, self.loss_mask, self.cu_seqlens,
                                       self.num_samples, self.pixels, self.image_grid_thw,
-                                      self.video_pixels, self.video_grid_thw))
+                                      self.video_pixels, self.video_grid_thw) + (self.image_frame_hw,)
+                   if a is not None)
 
     def sample_spans(self) -> list[tuple[int, int, int]]:
         """(row, start, end) of every sample, row-major; the trainer builds THD params from these."""

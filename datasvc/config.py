@@ -54,6 +54,13 @@ class ServiceConfig:
     """With ``decode="cpu"``: "libjpeg-turbo" decodes RGB and grayscale JPEGs with libjpeg-turbo at
     the reduced DCT scale that still covers the target (``datasvc.jpegscale``), which DALI cannot;
     faster on photos well above the pixel cap, within the same HF exactness. Other images: DALI."""
+    resize_on: Literal["rank", "actor"] = "rank"
+    """With ``decode="cpu"``, where a CPU-decoded image's last resize runs. "rank": the actor sends
+    the decoded frame (when within ``decode.RANK_RESIZE_MAX_AREA`` of its target's pixels) and the
+    client resizes it on the rank's device with HF's own resize, as it makes ``pixel_values``. At
+    the default cap that resize is nearly a decode's CPU time in the actor and a few microseconds of
+    a GPU (docs/benchmarks.md, "CPU preprocessing per core"). "actor": the actor resizes every image
+    and sends rows at the grid's size."""
     decode_gpu_share: float = 0.25
     """GPU fraction each preprocessing actor requests when ``decode`` is "gpu"."""
     actor_malloc_tunables: str = ACTOR_MALLOC_TUNABLES
@@ -131,6 +138,8 @@ class ServiceConfig:
             problems.append("dp_size and consumers_per_replica must be >= 1")
         if self.cpu_jpeg_decoder not in ("dali", "libjpeg-turbo"):
             problems.append(f"cpu_jpeg_decoder={self.cpu_jpeg_decoder!r}: use 'dali' or 'libjpeg-turbo'")
+        if self.resize_on not in ("rank", "actor"):
+            problems.append(f"resize_on={self.resize_on!r}: use 'rank' or 'actor'")
         if not 1 <= self.min_actors <= self.max_actors:
             problems.append(f"need 1 <= min_actors ({self.min_actors}) <= max_actors ({self.max_actors})")
         if self.node_data_cpus is not None and self.node_data_cpus < 1:

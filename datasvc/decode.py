@@ -23,11 +23,15 @@ import numpy as np
 from datasvc import jpegscale
 from datasvc.jpegscale import resize_uint8  # noqa: F401  (datasvc.video's import)
 from datasvc.imagefile import ImageHeader, orient, pil_decode_rgb, probe  # noqa: F401  (probe: the callers' import)
-from datasvc.vision import ImageRejected, VisionSpec, pixel_rows
+from datasvc.vision import FrameRows, ImageRejected, VisionSpec, frame_rows, pixel_rows
 
 # Modes DALI decodes to the same RGB as PIL's convert("RGB"); anything else (CMYK, palette,
 # alpha, 16-bit, GIF, BMP, TIFF) is converted by PIL exactly as the HF processor does.
 _DALI_MODES = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L"), ("WEBP", "RGB")}
+
+RANK_RESIZE_MAX_AREA = 2.0
+"""A frame whose last resize is left to the rank holds at most this many times its target's pixels:
+the bytes it adds to a batch, against the actor's CPU time it saves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +60,9 @@ class Decoder(Protocol):
     name: str
 
     def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
-                      timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
-        """The resized image's uint8 ``vision.pixel_rows`` [h*w, 3*P*P] per job, or why it failed."""
+                      timer: Timer | None = None) -> list[np.ndarray | FrameRows | ImageRejected]:
+        """The resized image's uint8 ``vision.pixel_rows`` [h*w, 3*P*P] per job, its decoded frame
+        for the consumer to resize (``vision.FrameRows``), or why it failed."""
 
 
 def _needs_pil(header: ImageHeader) -> bool:
@@ -72,14 +77,22 @@ class CpuDecoder:
     so a full-size frame is never copied. ``jpeg="libjpeg-turbo"`` is the explicit, measured
     option of decoding RGB and grayscale JPEGs with OpenCV's libjpeg-turbo instead, at the reduced
     DCT scale that still covers the target (``datasvc.jpegscale``); DALI cannot scale its decode.
+
+    ``rank_resize`` leaves the last resize of a frame (after any halving, within
+    ``RANK_RESIZE_MAX_AREA`` of its target) to the consumer: such an image comes back as its frame,
+    a ``vision.FrameRows``, which ``vision.to_pixel_values`` resizes on the rank's device with HF's
+    own resize. At the default 16 MP cap that resize, a full-frame pass of nearly the decode's cost
+    on the CPU, is most of what the actor does beyond decoding.
     """
 
     name = "cpu"
 
-    def __init__(self, num_threads: int = 1, max_batch: int = 32, jpeg: Literal["dali", "libjpeg-turbo"] = "dali"):
+    def __init__(self, num_threads: int = 1, max_batch: int = 32, jpeg: Literal["dali", "libjpeg-turbo"] = "dali",
+                 rank_resize: bool = False):
         if jpeg not in ("dali", "libjpeg-turbo"):
             raise ValueError(f"jpeg must be 'dali' or 'libjpeg-turbo', not {jpeg!r}")
         self.num_threads, self.max_batch, self.jpeg = num_threads, max_batch, jpeg
+        self.rank_resize = rank_resize
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="resize") if num_threads > 1 else None
         cv2.setNumThreads(1)  # parallel across images (the pool), not within one resize
         self._lock = threading.Lock()  # a DALI pipeline is fed and run by one thread at a time
@@ -135,12 +148,12 @@ class CpuDecoder:
         return results
 
     def to_pixel_rows(self, jobs: list[DecodeJob], spec: VisionSpec,
-                      timer: Timer | None = None) -> list[np.ndarray | ImageRejected]:
+                      timer: Timer | None = None) -> list[np.ndarray | FrameRows | ImageRejected]:
         t0, resize_s = time.perf_counter(), []
 
         def finish(job: DecodeJob, img, scale: int = 1):
             t = time.perf_counter()
-            rows = _finish(job, img, scale, spec)
+            rows = _finish(job, img, scale, spec, self.rank_resize)
             resize_s.append(time.perf_counter() - t)
             return rows
 
@@ -173,16 +186,23 @@ def _turbo_rows(job: DecodeJob, finish: Callable) -> np.ndarray | ImageRejected 
     return None if img is None else finish(job, img, d)
 
 
-def _finish(job: DecodeJob, img, scale: int, spec: VisionSpec):
+def _finish(job: DecodeJob, img, scale: int, spec: VisionSpec, rank_resize: bool = False):
     """A frame decoded at 1/``scale`` of its stored size -> its pixel rows: resized to the target,
-    then oriented; a fresh array, never a view of the decoder's buffer."""
+    then oriented; with ``rank_resize``, the oriented frame itself where its last resize may be
+    left to the rank. Fresh arrays, never a view of the decoder's buffer."""
     if not isinstance(img, np.ndarray):
         return img
     stored = job.header.stored_hw
     expect_hw = jpegscale.scaled_hw(stored, scale)
     if img.shape[:2] != expect_hw:
         return ImageRejected("corrupt_image", f"decoded {img.shape[:2]} != header {expect_hw}")
-    resized = jpegscale.fit_uint8(img, job.decode_hw, (stored[0] / scale, stored[1] / scale))
+    frame, extent = jpegscale.halve_large(img, job.decode_hw, (stored[0] / scale, stored[1] / scale))
+    th, tw = job.decode_hw
+    if (rank_resize and extent == frame.shape[:2] and extent != (th, tw)
+            and extent[0] * extent[1] <= RANK_RESIZE_MAX_AREA * th * tw):
+        # A whole frame: the rank's resize spans it as HF's spans the stored one.
+        return frame_rows(orient(frame, job.header.orientation), spec)
+    resized = jpegscale.resize_rest(frame, extent, job.decode_hw)
     if job.header.orientation == 1 and resized is img:
         resized = img.copy()  # already at the target: the one case that would alias DALI's buffer
     return pixel_rows(orient(resized, job.header.orientation), spec)

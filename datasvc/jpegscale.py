@@ -94,17 +94,24 @@ def fit_uint8(image: np.ndarray, target_hw: tuple[int, int],
     onto the extent the halved image spans. Dropping the odd row instead stretched the frame by up
     to a pixel: 0.0206 mean |diff| from HF on a photo at 2.7x its 1 MP target; with the geometry
     kept, 0.0092 at most over 20 photos of 4-16 MP at that cap."""
+    return resize_rest(*halve_large(image, target_hw, extent_hw), target_hw)
+
+
+def halve_large(image: np.ndarray, target_hw: tuple[int, int], extent_hw: tuple[float, float] | None = None
+                ) -> tuple[np.ndarray, tuple[float, float]]:
+    """``image`` halved while at least twice the target on both sides (``fit_uint8``'s first step),
+    and the extent of it that the original extent spans."""
     th, tw = target_hw
     eh, ew = extent_hw or image.shape[:2]
     scale = 1
     while image.shape[0] >= 2 * th and image.shape[1] >= 2 * tw:
         image = _halve(image)
         scale *= 2
-    return resize_rest(image, target_hw, (eh / scale, ew / scale))
+    return image, (eh / scale, ew / scale)
 
 
-def resize_rest(image: np.ndarray, target_hw: tuple[int, int],
-                extent_hw: tuple[float, float] | None = None) -> np.ndarray:
+def resize_rest(image: np.ndarray, extent_hw: tuple[float, float] | None,
+                target_hw: tuple[int, int]) -> np.ndarray:
     """The resize of a frame under twice the target, spanning ``extent_hw`` of it (its whole unless
     told): cubic when growing or shrinking by under a quarter (bilinear onto a partial extent, where
     OpenCV warps); past a quarter, bilinear to twice the target, then the exact-2x area average. A

@@ -6,6 +6,8 @@ their vision patch counts are balanced, ``merge`` builds the arrays.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,9 +92,20 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
         cu_seqlens=cu, num_samples=num,
         pixels=np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), np.uint8),
         image_grid_thw=np.concatenate(grids) if grids else np.zeros((0, 3), np.int64),
+        image_frame_hw=_frame_sizes([s for row in rows for s in row], patch_dim),
         sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32),
         video_pixels=np.concatenate(video_pixels) if video_pixels else np.zeros((0, patch_dim), np.uint8),
         video_grid_thw=np.concatenate(video_grids) if video_grids else np.zeros((0, 3), np.int64))
+
+
+def _frame_sizes(samples: list[EncodedSample], patch_dim: int) -> np.ndarray | None:
+    """The samples' ``image_frame_hw`` in turn (an image at its grid's size has that size), or None
+    when all are."""
+    if all(s.image_frame_hw is None for s in samples):
+        return None
+    patch = math.isqrt(patch_dim // 3)
+    return np.concatenate([s.image_frame_hw if s.image_frame_hw is not None
+                           else s.image_grid_thw[:, 1:] * patch for s in samples]).astype(np.int64)
 
 
 def plan_block(samples: list[EncodedSample], cfg: PackingConfig

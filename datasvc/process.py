@@ -24,7 +24,7 @@ from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where calle
 from datasvc.text import SampleRejected
 from datasvc.video import plan_video
 from datasvc.videodecode import VideoDecoder, decode_sample_videos
-from datasvc.vision import ImageRejected
+from datasvc.vision import FrameRows, ImageRejected
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
@@ -110,17 +110,28 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
             acct.reject(raw.shard, raw.key, reason, detail)
             times.fail(stage)
             continue
-        pixels = np.concatenate([p for p, _ in parts]) if parts else np.zeros((0, spec.patch_dim), np.uint8)
+        pixels = np.concatenate([p.rows if isinstance(p, FrameRows) else p for p, _ in parts]) if parts \
+            else np.zeros((0, spec.patch_dim), np.uint8)
         sample = EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
-                               np.asarray(grids, dtype=np.int64).reshape(-1, 3))
+                               np.asarray(grids, dtype=np.int64).reshape(-1, 3),
+                               image_frame_hw=_frame_sizes(parts, spec))
         if plans:
             sample.video_pixels = np.concatenate([r for r, _ in videos[si]])
             sample.video_grid_thw = np.asarray([p.grid for p in plans], dtype=np.int64)
         encoded.append(sample)
         n_images += len(parts)
-        mp += sum(p.shape[0] for p, _ in parts) * spec.patch_size**2 / 1e6
+        mp += sum(h * w for _, h, w in grids) * spec.patch_size**2 / 1e6
     times.add("tokenize", time.perf_counter() - t0, len(encoded))
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
+
+
+def _frame_sizes(parts: list, spec) -> np.ndarray | None:
+    """``EncodedSample.image_frame_hw`` of a sample's decoded images: None when every one is at its
+    grid's size."""
+    if not any(isinstance(p, FrameRows) for p, _ in parts):
+        return None
+    return np.asarray([p.hw if isinstance(p, FrameRows) else (h * spec.patch_size, w * spec.patch_size)
+                       for p, (_, h, w) in parts], dtype=np.int64).reshape(-1, 2)
 
 
 def _probe_samples(raws: list, problems: list, spec, times: StageTimes) -> dict[int, list[DecodeJob]]:
@@ -281,7 +292,7 @@ class ItemProcessor:
 
         self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
         self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id,
-                                    jpeg=cfg.cpu_jpeg_decoder)
+                                    jpeg=cfg.cpu_jpeg_decoder, rank_resize=cfg.resize_on == "rank")
         self.limits = ReadLimits(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes)
         self.rules = SampleRules.parse(cfg.filters)
         self.budget = cfg.decoded_bytes_budget
@@ -300,9 +311,9 @@ class ItemProcessor:
 
 
 def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int | None = 0,
-                 jpeg: Literal["dali", "libjpeg-turbo"] = "dali") -> Decoder:
+                 jpeg: Literal["dali", "libjpeg-turbo"] = "dali", rank_resize: bool = False) -> Decoder:
     if kind == "cpu":
-        return CpuDecoder(num_threads=num_threads, jpeg=jpeg)
+        return CpuDecoder(num_threads=num_threads, jpeg=jpeg, rank_resize=rank_resize)
     if kind == "gpu":
         from datasvc.gpudecode import GpuDecoder
 

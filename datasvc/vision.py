@@ -101,6 +101,90 @@ def pixel_rows(image, spec: VisionSpec):
     return image.reshape(-1, spec.patch_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class FrameRows:
+    """A decoded image whose last resize its consumer makes (``finish_resize``): the frame's uint8
+    RGB pixels in raster order, zero-padded to whole rows of ``VisionSpec.patch_dim`` bytes."""
+
+    rows: np.ndarray  # uint8 [frame_row_count(hw), patch_dim]
+    hw: tuple[int, int]
+
+
+def frame_row_count(height: int, width: int, spec: VisionSpec) -> int:
+    return -(-height * width * 3 // spec.patch_dim)
+
+
+def frame_rows(image: np.ndarray, spec: VisionSpec) -> FrameRows:
+    """A fresh ``FrameRows`` of an HWC uint8 image (any strides; a view of a decoder's buffer is
+    copied once)."""
+    h, w = image.shape[:2]
+    rows = np.empty((frame_row_count(h, w, spec), spec.patch_dim), np.uint8)
+    flat = rows.reshape(-1)
+    flat[:h * w * 3].reshape(h, w, 3)[...] = image
+    flat[h * w * 3:] = 0
+    return FrameRows(rows, (h, w))
+
+
+def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):
+    """Concatenated rows of images that each hold either their ``pixel_rows`` or, where
+    ``frames_hw`` differs from the grid's size, a ``FrameRows`` frame -> every image's
+    ``pixel_rows`` at its grid's size. ``rows`` itself when no image needs a resize.
+
+    A torch tensor is resized on its device with HF's own resize (torch's antialiased bicubic,
+    uint8 out); numpy arrays with the preprocessing actors' OpenCV resize (``jpegscale.fit_uint8``).
+    """
+    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    frames = np.asarray(frames_hw, dtype=np.int64).reshape(-1, 2) if frames_hw is not None else None
+    p = spec.patch_size
+    if frames is None or np.array_equal(frames, grids[:, 1:] * p):
+        return rows
+    if len(frames) != len(grids):
+        raise ValueError(f"{len(frames)} frame sizes for {len(grids)} images")
+    counts = [gh * gw if (h, w) == (gh * p, gw * p) else frame_row_count(h, w, spec)
+              for (_, gh, gw), (h, w) in zip(grids.tolist(), frames.tolist())]
+    if sum(counts) != rows.shape[0]:
+        raise ValueError(f"the images' frames cover {sum(counts)} rows of {rows.shape[0]}")
+    torch_rows = not isinstance(rows, np.ndarray)
+    if torch_rows:
+        import torch
+
+        out = torch.empty((int((grids[:, 1] * grids[:, 2]).sum()), spec.patch_dim), dtype=torch.uint8,
+                          device=rows.device)
+    else:
+        out = np.empty((int((grids[:, 1] * grids[:, 2]).sum()), spec.patch_dim), np.uint8)
+    src = dst = 0
+    for (_, gh, gw), (h, w), n in zip(grids.tolist(), frames.tolist(), counts):
+        th, tw, m = gh * p, gw * p, gh * gw
+        if (h, w) == (th, tw):
+            out[dst:dst + m] = rows[src:src + n]
+        else:
+            frame = rows[src:src + n].reshape(-1)[:h * w * 3].reshape(h, w, 3)
+            target = out[dst:dst + m].reshape(th, tw, 3)
+            if torch_rows:
+                _torch_resize_into(target, frame)
+            else:
+                from datasvc.jpegscale import fit_uint8
+
+                target[...] = fit_uint8(frame, (th, tw))
+        src, dst = src + n, dst + m
+    return out
+
+
+def _torch_resize_into(target, frame) -> None:
+    """HF's resize of an HWC uint8 ``frame`` into ``target``: torch's antialiased bicubic, rounded
+    and clamped to uint8 as torchvision does; on the CPU torch resizes uint8 itself."""
+    import torch.nn.functional as F
+
+    x = frame.permute(2, 0, 1).unsqueeze(0)  # NCHW over HWC memory: channels-last, no copy
+    size = tuple(target.shape[:2])
+    if x.is_cuda:
+        y = F.interpolate(x.float(), size=size, mode="bicubic", antialias=True, align_corners=False)
+        y = y.round_().clamp_(0, 255)
+    else:
+        y = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+    target.copy_(y[0].permute(1, 2, 0))
+
+
 PATCH_ORDER = (0, 3, 1, 4, 6, 2, 5)
 """The permutation of ``patch_grid_shape`` that puts an image's pixels in the HF row order."""
 
@@ -174,17 +258,18 @@ def repeat_frames(values, spec: VisionSpec) -> None:
         values[:, :, 1:] = values[:, :, :1]
 
 
-def to_pixel_values(rows, spec: VisionSpec, grid_thw, dtype=None):
+def to_pixel_values(rows, spec: VisionSpec, grid_thw, dtype=None, frames_hw=None):
     """Concatenated ``pixel_rows`` of the images in ``grid_thw`` -> normalized float ``pixel_values``
-    [N, 3*T*P*P] in the HF row order, frames repeated like HF.
+    [N, 3*T*P*P] in the HF row order, frames repeated like HF. With ``frames_hw``, the images
+    whose rows hold a frame of another size are resized first (``finish_resize``).
 
     Numpy in, numpy out (float32 unless ``dtype``); a torch tensor in, a tensor out on its device.
     On a GPU with Triton one kernel launch reads every image's patch permutation in place,
     normalizes, casts and writes all frames (``fused_pixel_values``); elsewhere
     ``torch_pixel_values``.
     """
+    rows = finish_resize(rows, spec, grid_thw, frames_hw)
     n = rows.shape[0]
-    pp = spec.patch_size * spec.patch_size
     if isinstance(rows, np.ndarray):
         patches = np.empty_like(rows)
         for first, count, image in _images(rows, spec, grid_thw):

@@ -318,8 +318,13 @@ def test_balanced_streams_of_all_ranks_are_disjoint_and_fill_every_step(mixed_sh
         unbalanced = sorted(k for r in range(2) for b, _ in own[r][2 * s:2 * s + 2] for k in b.sample_keys)
         assert balanced == unbalanced
     # Pixels came through: the merged micro-batches carry the decoded rows of their images.
+    from datasvc.registry import get_pipeline
+    from datasvc.vision import finish_resize
+
     b = got[0][0][0]
-    assert b.pixels.shape[0] == int(b.image_grid_thw.prod(axis=1).sum()) and b.pixels.shape[1] > 0
+    spec = get_pipeline(cfg.pipeline).vision
+    rows = finish_resize(b.pixels, spec, b.image_grid_thw, b.image_frame_hw)
+    assert rows.shape[0] == int(b.image_grid_thw.prod(axis=1).sum()) and b.pixels.shape[1] > 0
 
 
 def unbalanced_config(cfg):

@@ -10,9 +10,18 @@ from PIL import Image
 
 from datasvc.process import preprocess_images
 from datasvc.samples import real_photos
-from datasvc.vision import ImageRejected, VisionSpec, smart_resize, to_pixel_values
+from datasvc.vision import FrameRows, ImageRejected, VisionSpec, smart_resize, to_pixel_values
 
 MAX_MAD = 0.02
+
+
+@pytest.fixture(scope="module", params=["actor", "rank"])
+def cpu_decoder(request):
+    """The CPU decoder both ways: resizing in the actor, and leaving the last resize to the rank
+    (whose client resizes torch tensors, as here)."""
+    from datasvc.decode import CpuDecoder
+
+    return CpuDecoder(num_threads=1, rank_resize=request.param == "rank")
 
 
 def hf_processor(spec: VisionSpec):
@@ -27,6 +36,8 @@ def ours(data: bytes, spec, decoder):
     if isinstance(res, ImageRejected):
         raise res
     rows, grid = res
+    if isinstance(rows, FrameRows):
+        return to_pixel_values(torch.from_numpy(rows.rows), spec, [grid], frames_hw=[rows.hw]).numpy(), np.asarray(grid)
     return to_pixel_values(rows, spec, [grid]), np.asarray(grid)
 
 

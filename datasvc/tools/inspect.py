@@ -95,7 +95,7 @@ class _SampleWriter:
         fname = f"{name}.npz"
         if self.write_samples:
             np.savez(os.path.join(self.out_dir, fname),
-                     pixel_values=to_pixel_values(s.pixels, self.spec, s.image_grid_thw),
+                     pixel_values=to_pixel_values(s.pixels, self.spec, s.image_grid_thw, frames_hw=s.image_frame_hw),
                      image_grid_thw=np.asarray(s.image_grid_thw, np.int64).reshape(-1, 3),
                      input_ids=np.asarray(s.input_ids, np.int64), labels=np.asarray(s.labels, np.int64),
                      key=np.array(s.key), shard=np.array(shard))
@@ -132,7 +132,7 @@ def _pack_with_producer(cfg, rank: int, writer: _SampleWriter, out_dir: str) -> 
         fname = f"packed-{len(files):05d}.npz"
         np.savez(os.path.join(out_dir, fname), tokens=b.tokens, labels=b.labels, loss_mask=b.loss_mask,
                  cu_seqlens=b.cu_seqlens, num_samples=b.num_samples,
-                 pixel_values=to_pixel_values(b.pixels, writer.spec, b.image_grid_thw),
+                 pixel_values=to_pixel_values(b.pixels, writer.spec, b.image_grid_thw, frames_hw=b.image_frame_hw),
                  image_grid_thw=b.image_grid_thw, sample_keys=np.array(b.sample_keys, dtype=str),
                  sample_rows=b.sample_rows if b.sample_rows is not None else np.zeros(0, np.int32),
                  position=np.array([pos.epoch, pos.block, pos.batch, pos.step], np.int64))

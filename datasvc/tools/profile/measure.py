@@ -66,9 +66,8 @@ def _tally_batch(batch, spec, model=None) -> _Tally:
     video_tokens = grid_patches(batch.video_grid_thw) // spec.merge_size**2
     vt = patches // spec.merge_size**2 + video_tokens
     real = batch.real_tokens
-    # One transported pixel row is one patch of one frame: patch_size**2 source pixels after resize.
     t = _Tally(samples=len(batch.sample_keys), batches=1, images=len(grids),
-               megapixels=batch.pixels.shape[0] * spec.patch_size**2 / 1e6, text_tokens=real - vt, vision_tokens=vt,
+               megapixels=patches * spec.patch_size**2 / 1e6, text_tokens=real - vt, vision_tokens=vt,
                real_tokens=real, row_tokens=int(batch.tokens.size), videos=len(batch.video_grid_thw),
                video_tokens=video_tokens)
     if model is not None:
