@@ -130,8 +130,10 @@ def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):
     ``frames_hw`` differs from the grid's size, a ``FrameRows`` frame -> every image's
     ``pixel_rows`` at its grid's size. ``rows`` itself when no image needs a resize.
 
-    A torch tensor is resized on its device with HF's own resize (torch's antialiased bicubic,
-    uint8 out); numpy arrays with the preprocessing actors' OpenCV resize (``jpegscale.fit_uint8``).
+    On a GPU the resize is HF's own (``hf_resize``: torch's antialiased bicubic), one image at a
+    time; on the CPU (numpy arrays, CPU tensors) it is the preprocessing actors' OpenCV resize
+    (``jpegscale.fit_uint8``), which takes a third of torch's time there at the same exactness
+    bound (docs/benchmarks.md, "CPU preprocessing per core").
     """
     grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     frames = np.asarray(frames_hw, dtype=np.int64).reshape(-1, 2) if frames_hw is not None else None
@@ -144,45 +146,42 @@ def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):
               for (_, gh, gw), (h, w) in zip(grids.tolist(), frames.tolist())]
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"the images' frames cover {sum(counts)} rows of {rows.shape[0]}")
-    torch_rows = not isinstance(rows, np.ndarray)
-    if torch_rows:
+    n_out = int((grids[:, 1] * grids[:, 2]).sum())
+    if isinstance(rows, np.ndarray) or not rows.is_cuda:
+        from datasvc.jpegscale import fit_uint8
+
+        cpu_tensor = not isinstance(rows, np.ndarray)
+        src_rows, out = (rows.numpy() if cpu_tensor else rows), np.empty((n_out, spec.patch_dim), np.uint8)
+        resize = fit_uint8
+    else:
         import torch
 
-        out = torch.empty((int((grids[:, 1] * grids[:, 2]).sum()), spec.patch_dim), dtype=torch.uint8,
-                          device=rows.device)
-    else:
-        out = np.empty((int((grids[:, 1] * grids[:, 2]).sum()), spec.patch_dim), np.uint8)
+        src_rows, out = rows, torch.empty((n_out, spec.patch_dim), dtype=torch.uint8, device=rows.device)
+        resize = hf_resize
     src = dst = 0
     for (_, gh, gw), (h, w), n in zip(grids.tolist(), frames.tolist(), counts):
         th, tw, m = gh * p, gw * p, gh * gw
         if (h, w) == (th, tw):
-            out[dst:dst + m] = rows[src:src + n]
+            out[dst:dst + m] = src_rows[src:src + n]
         else:
-            frame = rows[src:src + n].reshape(-1)[:h * w * 3].reshape(h, w, 3)
-            target = out[dst:dst + m].reshape(th, tw, 3)
-            if torch_rows:
-                _torch_resize_into(target, frame)
-            else:
-                from datasvc.jpegscale import fit_uint8
-
-                target[...] = fit_uint8(frame, (th, tw))
+            frame = src_rows[src:src + n].reshape(-1)[:h * w * 3].reshape(h, w, 3)
+            out[dst:dst + m].reshape(th, tw, 3)[...] = resize(frame, (th, tw))
         src, dst = src + n, dst + m
-    return out
+    if isinstance(rows, np.ndarray) or rows.is_cuda:
+        return out
+    import torch
+
+    return torch.from_numpy(out)
 
 
-def _torch_resize_into(target, frame) -> None:
-    """HF's resize of an HWC uint8 ``frame`` into ``target``: torch's antialiased bicubic, rounded
-    and clamped to uint8 as torchvision does; on the CPU torch resizes uint8 itself."""
+def hf_resize(frame, target_hw: tuple[int, int]):
+    """An HWC uint8 tensor resized as the HF processor's torchvision backend resizes it: torch's
+    antialiased bicubic in float32, rounded and clamped to uint8 (HWC, channels-last strides)."""
     import torch.nn.functional as F
 
-    x = frame.permute(2, 0, 1).unsqueeze(0)  # NCHW over HWC memory: channels-last, no copy
-    size = tuple(target.shape[:2])
-    if x.is_cuda:
-        y = F.interpolate(x.float(), size=size, mode="bicubic", antialias=True, align_corners=False)
-        y = y.round_().clamp_(0, 255)
-    else:
-        y = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
-    target.copy_(y[0].permute(1, 2, 0))
+    x = frame.permute(2, 0, 1).unsqueeze(0).float()  # NCHW over HWC memory: channels-last
+    y = F.interpolate(x, size=tuple(target_hw), mode="bicubic", antialias=True, align_corners=False)
+    return y.round_().clamp_(0, 255).to(frame.dtype)[0].permute(1, 2, 0)
 
 
 PATCH_ORDER = (0, 3, 1, 4, 6, 2, 5)

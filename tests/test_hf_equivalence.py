@@ -188,6 +188,99 @@ def test_pixel_rows_become_the_same_pixel_values_on_cuda():
     np.testing.assert_allclose(got16.float().cpu().numpy(), want, atol=1 / 128)
 
 
+def rank_frames(spec: VisionSpec, photos) -> list:
+    """(FrameRows, grid, HF's pixel_values) of each photo the rank-resizing decoder leaves a frame."""
+    from datasvc.decode import CpuDecoder
+
+    decoder, out = CpuDecoder(num_threads=1, rank_resize=True), []
+    for data in photos:
+        ((rows, grid),) = preprocess_images([data], spec, decoder)
+        if isinstance(rows, FrameRows):
+            out.append((rows, grid, reference(data, spec)[0]))
+    return out
+
+
+def test_the_rank_resizes_mild_frames_and_the_actor_large_shrinks():
+    """The decoder leaves a frame to the rank only within 2x its target's pixels (after halving):
+    a photo near the default cap's size comes back as its frame, one shrunk 12x at a small cap as
+    its finished rows, both at HF's values."""
+    from datasvc.decode import CpuDecoder
+
+    rng = np.random.default_rng(3)
+    base = (rng.random((12, 16, 3)) * 255).astype(np.uint8)
+    mild, large = (jpeg(np.asarray(Image.fromarray(base).resize(wh, Image.BICUBIC))) for wh in [(1500, 1000), (4000, 3000)])
+    decoder = CpuDecoder(num_threads=1, rank_resize=True)
+    for data, spec, deferred in ((mild, VisionSpec(), True), (large, VisionSpec(max_pixels=512 * 512), False)):
+        ((rows, grid),) = preprocess_images([data], spec, decoder)
+        assert isinstance(rows, FrameRows) == deferred
+        if deferred:
+            assert rows.hw == (1000, 1500) and rows.rows.shape == (-(-1000 * 1500 * 3 // 768), 768)
+            pv = to_pixel_values(rows.rows, spec, [grid], frames_hw=[rows.hw])
+        else:
+            pv = to_pixel_values(rows, spec, [grid])
+        assert float(np.abs(pv - reference(data, spec)[0]).mean()) < MAX_MAD
+
+
+def test_hf_resize_gives_the_hf_processors_values():
+    """``hf_resize`` (what a GPU rank runs on the frames it is left) is HF's own resize: on real
+    photos it stays within a rounding step of the processor, far inside the equivalence bound."""
+    from datasvc.vision import hf_resize, pixel_rows
+
+    spec = VisionSpec(max_pixels=1 << 20)
+    photos = [jpeg(img) for _, img, _ in real_photos() if img.ndim == 3 and img.shape[2] == 3][:8]
+    checked = 0
+    for rows, grid, ref in rank_frames(spec, photos):
+        frame = torch.from_numpy(rows.rows).reshape(-1)[:rows.hw[0] * rows.hw[1] * 3].reshape(*rows.hw, 3)
+        _, gh, gw = grid
+        resized = hf_resize(frame, (gh * 16, gw * 16)).contiguous().numpy()
+        pv = to_pixel_values(pixel_rows(resized, spec), spec, [grid])
+        assert float(np.abs(pv - ref).mean()) < 0.002
+        checked += 1
+    assert checked >= 3
+
+
+def test_frames_and_rows_mixed_become_the_same_pixel_values_on_numpy_and_torch():
+    """A micro-batch mixing finished rows and frames (``image_frame_hw``) gives each image the
+    values it gets alone, on numpy and on CPU tensors (the client's path on a CPU-only rank)."""
+    from datasvc.jpegscale import fit_uint8
+    from datasvc.vision import finish_resize, frame_rows, pixel_rows
+
+    spec = VisionSpec(min_pixels=32 * 32, max_pixels=512 * 512)
+    rng = np.random.default_rng(2)
+    done = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    frame = rng.integers(0, 256, (70, 101, 3), dtype=np.uint8)
+    left = frame_rows(frame, spec)
+    rows = np.concatenate([pixel_rows(done, spec), left.rows, pixel_rows(done, spec)])
+    grids = np.array([[1, 4, 6], [1, 4, 6], [1, 4, 6]])
+    frames = [(64, 96), left.hw, (64, 96)]
+    finished = finish_resize(rows, spec, grids, frames)
+    assert finished.shape == (72, 768)
+    np.testing.assert_array_equal(finished[24:48], pixel_rows(fit_uint8(frame, (64, 96)), spec))
+    np.testing.assert_array_equal(finished[:24], finished[48:])
+    want = to_pixel_values(finished, spec, grids)
+    np.testing.assert_allclose(to_pixel_values(rows, spec, grids, frames_hw=frames), want, atol=1e-6)
+    np.testing.assert_allclose(to_pixel_values(torch.from_numpy(rows), spec, grids, torch.float32,
+                                               frames_hw=frames).numpy(), want, atol=1e-6)
+    with pytest.raises(ValueError, match="cover"):
+        finish_resize(rows[:-1], spec, grids, frames)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+def test_frames_left_to_the_rank_become_hf_pixel_values_on_cuda():
+    """The client's path on a GPU rank under the default ``resize_on="rank"``: frames and finished
+    rows in one micro-batch, resized with HF's own resize on the GPU, match the HF processor."""
+    spec = VisionSpec(max_pixels=1 << 20)
+    photos = [jpeg(img) for _, img, _ in real_photos() if img.ndim == 3 and img.shape[2] == 3][:8]
+    left = rank_frames(spec, photos)
+    assert len(left) >= 3
+    rows = torch.from_numpy(np.concatenate([r.rows for r, _, _ in left])).cuda()
+    got = to_pixel_values(rows, spec, [g for _, g, _ in left], torch.float32, frames_hw=[r.hw for r, _, _ in left])
+    want = np.concatenate([ref for _, _, ref in left])
+    assert got.shape == want.shape
+    assert float(np.abs(got.cpu().numpy() - want).mean()) < 0.002
+
+
 def exif_with(orientation: int) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = orientation

@@ -257,6 +257,41 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     return host_rows
 
 
+def _rank_resize(t: _Timings, jobs, spec, batch: int) -> None:
+    """What the rank pays for the CPU actors' default: micro-batches of host rows whose images hold
+    their decoded frames (``ServiceConfig.resize_on="rank"``), made into bf16 ``pixel_values`` on the
+    GPU with the resize, against the same images resized in the actors; the rank's CPU time per
+    image for each (kernel launches: what the trainer's thread spends)."""
+    import torch
+
+    from datasvc.decode import CpuDecoder
+    from datasvc.vision import FrameRows, to_pixel_values
+
+    grids = [j.grid(spec) for j in jobs]
+    for name, rank_resize in (("rank_resize", True), ("actor_resize", False)):
+        parts = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch, rank_resize=rank_resize
+                           ).to_pixel_rows(jobs, spec)
+        batches = []
+        for i in range(0, len(jobs), batch):
+            chunk = parts[i:i + batch]
+            frames = [p.hw if isinstance(p, FrameRows) else (g[1] * spec.patch_size, g[2] * spec.patch_size)
+                      for p, g in zip(chunk, grids[i:i + batch])]
+            rows = np.concatenate([p.rows if isinstance(p, FrameRows) else p for p in chunk])
+            batches.append((torch.from_numpy(rows).pin_memory(), grids[i:i + batch], frames))
+        deferred = sum(isinstance(p, FrameRows) for p in parts)
+        cpu_s = []
+
+        def run():
+            c0 = time.process_time()
+            for rows, g, frames in batches:
+                to_pixel_values(rows.to("cuda", non_blocking=True), spec, g, torch.bfloat16, frames_hw=frames)
+            torch.cuda.synchronize()
+            cpu_s.append(time.process_time() - c0)
+        t.timed(f"host_rows_{name}_to_gpu_pixel_values", run)
+        t.results[f"host_rows_{name}_to_gpu_pixel_values"].update(
+            deferred_images=deferred, rank_cpu_us_per_image=round(1e6 * float(np.median(cpu_s)) / len(jobs), 1))
+
+
 def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     """Every decode path over the same images; results printed and written to OUT/gpu_decode.json."""
     import torch
@@ -276,6 +311,7 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     cpu = CpuDecoder(num_threads=os.cpu_count() or 16, max_batch=batch)
     g = _gpu_paths(t, gpu, jobs, spec, grids, batch)
     c = t.timed("dali_cpu_all_cores_to_host_patches", lambda: cpu.to_pixel_rows(jobs, spec), repeats=2)
+    _rank_resize(t, jobs, spec, batch)
     t.timed("torchvision_nvjpeg_to_host_patches", lambda: _torchvision_rows(data, jobs, spec, batch, host=True))
     t.timed("torchvision_nvjpeg_to_gpu_pixel_values",
             lambda: _to_gpu_pixel_values(_torchvision_rows(data, jobs, spec, batch, host=False), grids, spec))
@@ -310,6 +346,8 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
                                                             "dali_gpu_to_host_patches_steady_copied")
     res["fused_vs_torch_pixel_values_stage"] = t.ratio("dali_gpu_stage_rows_pipeline_fused_pixel_values",
                                                        "dali_gpu_stage_rows_pipeline_torch_pixel_values")
+    res["rank_resize_vs_actor_resize_to_gpu_pixel_values"] = t.ratio("host_rows_rank_resize_to_gpu_pixel_values",
+                                                                     "host_rows_actor_resize_to_gpu_pixel_values")
     res["dali_gpu_vs_dali_cpu_to_host_patches"] = t.ratio("dali_gpu_to_host_patches",
                                                           "dali_cpu_all_cores_to_host_patches")
     print("[bench] gpu decode:", json.dumps(res), flush=True)

@@ -11,9 +11,13 @@ shipped in installed wheels), and reports images/s and MP/s (source megapixels) 
   (b) the HF Qwen2-VL image processor at the pipeline's settings on PIL images decoded from the
       bytes (decode included), both the torchvision backend and the PIL backend of transformers 5.x;
   (c) our CPU path: ``preprocess_images`` to uint8 pixel rows (what the preprocessing actors do
-      and what travels through the object store), and on to the model's float ``pixel_values``
-      with ``to_pixel_values`` on the CPU (what a rank without a GPU adds); as a baseline in the
-      same run (c-), the actors' work when they also put the rows in patch order.
+      and what travels through the object store) with the service's default ``resize_on``, which
+      leaves a frame's last resize to the rank; the same resizing every image in the actor; and on
+      to the model's float ``pixel_values`` with ``to_pixel_values`` on the CPU (what a rank without
+      a GPU adds); as a baseline in the same run (c-), the actors' work when they also put the
+      rows in patch order;
+  (r) the rank's share under that default on a CPU-only rank: torch's resize of the frames the
+      actors left (a GPU rank's is in ``python -m trainer.bench --gpu-decode-only``).
 
 and a per-stage profile of (c) (probe, decode, resize, then the consumer's patch order and
 normalize), and packing efficiency against padding every sample to ``seq_len`` (``packing``).
@@ -36,6 +40,7 @@ GOAL_VS_DECODE = 0.8
 GOAL_VS_HF = 8.0
 GOAL_PATH = "ours_uint8_pixel_rows"  # the actors' work: what the goals are about
 OURS = ("ours_pixel_values", "ours_uint8_pixel_rows", "ours_uint8_pixel_rows_libjpeg_turbo",
+        "ours_uint8_pixel_rows_resized_in_actor", "ours_uint8_pixel_rows_libjpeg_turbo_resized_in_actor",
         "baseline_uint8_patch_order")
 
 
@@ -143,7 +148,8 @@ def _hf_run(proc):
 
 
 def _ours(spec, decoder, chunk: int, finish=None):
-    """Our path on ``chunk`` images at a time; ``finish(rows, grid)`` runs on each image's rows."""
+    """Our path on ``chunk`` images at a time; ``finish(rows, grid)`` runs on each image's rows
+    (a ``vision.FrameRows`` where the decoder left the resize to the rank)."""
     from datasvc.process import preprocess_images
 
     def run(photos):
@@ -153,6 +159,27 @@ def _ours(spec, decoder, chunk: int, finish=None):
                     raise RuntimeError(f"our path rejected a benchmark photo: {res}")
                 if finish:
                     finish(*res)
+    return run
+
+
+def _rank_resize(spec, decoder, photos: list[Photo]):
+    """The rank's resize on the CPU of the frames ``decoder`` leaves it, in torch as the client
+    makes it; the photos decoded here, ahead of any timing."""
+    import torch
+
+    from datasvc.process import preprocess_images
+    from datasvc.vision import FrameRows, finish_resize
+
+    frames: dict[int, tuple | None] = {}
+    for p in photos:
+        ((rows, grid),) = preprocess_images([p.data], spec, decoder)
+        frames[id(p)] = (torch.from_numpy(rows.rows), grid, rows.hw) if isinstance(rows, FrameRows) else None
+
+    def run(photos):
+        for p in photos:
+            if frames[id(p)] is not None:
+                rows, grid, hw = frames[id(p)]
+                finish_resize(rows, spec, [grid], [hw])
     return run
 
 
@@ -209,10 +236,11 @@ def _resize_stats(photos: list[Photo], spec) -> dict:
     return {"upscaled": up, "downscaled": down, "unchanged": same}
 
 
-def _contenders(spec, decoder, skip_hf_pil: bool) -> dict[str, tuple[str, object]]:
+def _contenders(spec, decoder, skip_hf_pil: bool, photos: list[Photo]) -> dict[str, tuple[str, object]]:
     """name -> (group, run over photos): (a) raw decode, (b) HF processors, (c) ours (the default
-    path, and the explicit libjpeg-turbo reduced-scale option), (c-) the actors' work when they
-    also put the rows in patch order, as a baseline."""
+    path, and the explicit libjpeg-turbo reduced-scale option, each also resizing in the actor),
+    (c-) the actors' work when they also put the rows in patch order, as a baseline, (r) the rank's
+    resize of what the default leaves it, on one CPU thread. ``decoder``: the default path's."""
     from datasvc.decode import CpuDecoder
     from datasvc.vision import to_pixel_values
 
@@ -227,10 +255,16 @@ def _contenders(spec, decoder, skip_hf_pil: bool) -> dict[str, tuple[str, object
         if skip_hf_pil and name == "hf_qwen2vl_pil":
             continue
         runs[name] = ("b", _hf_run(proc))
-    runs["ours_pixel_values"] = ("c", _ours(spec, decoder, 16, lambda rows, grid: to_pixel_values(rows, spec, [grid])))
+    in_actor = CpuDecoder(num_threads=1)
+    turbo = dict(num_threads=1, jpeg="libjpeg-turbo")
+    runs["ours_pixel_values"] = ("c", _ours(spec, in_actor, 16, lambda rows, grid: to_pixel_values(rows, spec, [grid])))
     runs["ours_uint8_pixel_rows"] = ("c", _ours(spec, decoder, 16))
-    runs["ours_uint8_pixel_rows_libjpeg_turbo"] = ("c", _ours(spec, CpuDecoder(num_threads=1, jpeg="libjpeg-turbo"), 16))
-    runs["baseline_uint8_patch_order"] = ("c-", _ours(spec, decoder, 16, lambda rows, grid: _patch_order(rows, grid, spec)))
+    runs["ours_uint8_pixel_rows_libjpeg_turbo"] = ("c", _ours(spec, CpuDecoder(**turbo, rank_resize=decoder.rank_resize), 16))
+    runs["ours_uint8_pixel_rows_resized_in_actor"] = ("c", _ours(spec, in_actor, 16))
+    runs["ours_uint8_pixel_rows_libjpeg_turbo_resized_in_actor"] = ("c", _ours(spec, CpuDecoder(**turbo), 16))
+    runs["baseline_uint8_patch_order"] = ("c-", _ours(spec, in_actor, 16, lambda rows, grid: _patch_order(rows, grid, spec)))
+    if decoder.rank_resize:
+        runs["rank_resize_torch_cpu"] = ("r", _rank_resize(spec, decoder, photos))
     return runs
 
 
@@ -272,6 +306,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
                  repeats: int = 2, pack_synth: int = 200, skip_hf_pil: bool = False, seed: int = 0,
                  mp_range: tuple[float, float] = (0.3, 4.0), pack_copies: int = 2,
                  pipeline: str = "qwen3vl") -> dict:
+    from datasvc.config import ServiceConfig
     from datasvc.decode import CpuDecoder
     from datasvc.registry import get_layout
 
@@ -282,22 +317,25 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
     build_s = time.perf_counter() - t0
     mp_total = sum(p.megapixels for p in photos)
     with one_thread():
-        decoder = CpuDecoder(num_threads=1)
-        runs = _contenders(spec, decoder, skip_hf_pil)
+        decoder = CpuDecoder(num_threads=1, rank_resize=ServiceConfig.resize_on == "rank")
+        runs = _contenders(spec, decoder, skip_hf_pil, photos)
         results = {}
         for name, (group, fn) in runs.items():
             # The slow HF PIL processor gets one pass; the rest the best of ``repeats``.
             secs = _time_passes(fn, photos, 1 if name == "hf_qwen2vl_pil" else repeats)
             results[name] = {"group": group, "seconds": round(secs, 4),
                              "images_per_s": round(len(photos) / secs, 2), "mp_per_s": round(mp_total / secs, 2)}
-        prof = profile_ours(photos, spec, decoder)
-        actors = paired_cpu_ratio(runs["ours_uint8_pixel_rows"][1], runs["baseline_uint8_patch_order"][1], photos)
+        prof = profile_ours(photos, spec, CpuDecoder(num_threads=1))
+        in_actor = runs["ours_uint8_pixel_rows_resized_in_actor"][1]
+        actors = paired_cpu_ratio(in_actor, runs["baseline_uint8_patch_order"][1], photos)
+        # The actors' own work by CPU time: against raw decode, and what leaving the resize saves.
+        over_decode = paired_cpu_ratio(runs["torchvision_decode_jpeg"][1], runs[GOAL_PATH][1], photos)
+        resize_left = paired_cpu_ratio(runs[GOAL_PATH][1], in_actor, photos)
         # Where DALI's decode gap is: its process CPU time against libjpeg-turbo's on the same
         # bytes (a CPU-time ratio near the wall one means the gap is decode work, not waiting).
         dali_cpu = paired_cpu_ratio(runs["torchvision_decode_jpeg"][1], runs["dali_cpu_decode"][1], photos)
         # How far the actors are from the least work that resizes (>1: the actors take longer).
-        floor = paired_cpu_ratio(runs["libjpeg_turbo_decode_opencv_resize"][1], runs["ours_uint8_pixel_rows"][1],
-                                 photos)
+        floor = paired_cpu_ratio(runs["libjpeg_turbo_decode_opencv_resize"][1], in_actor, photos)
     fastest_a, fastest_b, ratios, goals = _ratios(results)
     packing = packing_bench(pack_synth, max_pixels, photo_copies=pack_copies) if pack_synth >= 0 else {}
     return {
@@ -313,6 +351,9 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         "ratios": ratios,
         "goals": goals,
         "profile_ours": prof,
+        "resize_on": ServiceConfig.resize_on,
+        "actors_cpu_over_raw_decode": over_decode,
+        "actors_resizing_cpu_over_default": resize_left,
         "actors_patch_order_over_pixel_rows": actors,
         "dali_decode_cpu_over_torchvision": dali_cpu,
         "actors_cpu_over_decode_and_resize": floor,
@@ -327,7 +368,8 @@ def plot_decode(rep: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"a": "tab:gray", "a+": "tab:brown", "b": "tab:orange", "c": "tab:green", "c-": "tab:olive"}
+    colours = {"a": "tab:gray", "a+": "tab:brown", "b": "tab:orange", "c": "tab:green", "c-": "tab:olive",
+               "r": "tab:purple"}
     names = list(rep["results"])
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
     ax.barh(names, [rep["results"][n]["images_per_s"] for n in names],
@@ -342,7 +384,7 @@ def plot_decode(rep: dict, path: str) -> None:
                label=f"goal: {goals['vs_fastest_hf']:g}x fastest HF")
     ax.set_xlabel("images/s, one core")
     ax.set_title(f"{rep['photos']['count']} JPEGs, {rep['photos']['megapixels_min']}-"
-                 f"{rep['photos']['megapixels_max']} MP: (a) decode, (a+) decode + resize, (b) HF, (c) ours", fontsize=10)
+                 f"{rep['photos']['megapixels_max']} MP: (a) decode, (a+) decode + resize, (b) HF, (c) ours, (r) rank", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     prof = rep["profile_ours"]
     left = 0.0
@@ -384,10 +426,18 @@ def print_decode(rep: dict) -> None:
     if d:
         print(f"DALI's CPU decode over torchvision's, process CPU time: {d['ratio_median']:.2f}x "
               f"(median of {d['rounds']} alternated rounds, range {d['ratio_min']:.2f}-{d['ratio_max']:.2f})")
-    f = rep.get("actors_cpu_over_decode_and_resize")
-    if f:
-        print(f"the actors' CPU time over libjpeg-turbo decode + OpenCV resize: {f['ratio_median']:.2f}x "
-              f"(median of {f['rounds']} alternated rounds, range {f['ratio_min']:.2f}-{f['ratio_max']:.2f})")
+    for key, what in (("actors_cpu_over_decode_and_resize", "the actors resizing, over libjpeg-turbo decode + OpenCV resize"),
+                      ("actors_cpu_over_raw_decode", f"the actors (resize_on={rep.get('resize_on')}) over torchvision's decode"),
+                      ("actors_resizing_cpu_over_default", "the actors resizing every image, over the default")):
+        f = rep.get(key)
+        if f:
+            print(f"CPU time, {what}: {f['ratio_median']:.2f}x "
+                  f"(median of {f['rounds']} alternated rounds, range {f['ratio_min']:.2f}-{f['ratio_max']:.2f})")
+    rank = rep["results"].get("rank_resize_torch_cpu")
+    if rank:
+        both = 1 / (1 / rep["results"][GOAL_PATH]["images_per_s"] + 1 / rank["images_per_s"])
+        print(f"a CPU-only box, the actors' work plus the rank's resize on one core: {both:.1f} img/s "
+              f"({both / fa:.3f}x fastest decode)")
     pk = rep.get("packing") or {}
     if pk:
         print(f"\npacking ({pk['sources']}, max_pixels={pk['max_pixels']}, "
