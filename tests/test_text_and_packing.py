@@ -118,3 +118,24 @@ def test_layout_matches_the_built_pipeline():
     for options in ({}, {"max_pixels": 256 * 256, "min_pixels": 32 * 32}):
         layout, pipeline = get_layout("qwen3vl", **options), get_pipeline("qwen3vl", **options)
         assert layout.vision == pipeline.vision and layout.pad_id == pipeline.pad_id
+
+
+def test_merge_carries_the_frames_left_to_the_rank():
+    """Rows of frames the rank resizes travel with their sizes; images at their grid's size get
+    that size, and a micro-batch with no frames carries none."""
+    from datasvc.packing import merge
+    from datasvc.vision import VisionSpec, finish_resize, frame_rows
+
+    spec = VisionSpec()
+    at_grid = _sample(10, 8, "a")  # grid (1, 2, 4): 32x64 pixels
+    left = frame_rows(np.full((30, 70, 3), 7, np.uint8), spec)
+    framed = EncodedSample("b", "s", np.arange(10, dtype=np.int32), np.arange(10, dtype=np.int32), left.rows,
+                           np.array([[1, 2, 4]], np.int64), image_frame_hw=np.array([left.hw], np.int64))
+    cfg = PackingConfig(seq_len=32, micro_batch_size=1, pad_id=0)
+    b = merge([[at_grid, framed]], cfg, 768)
+    assert b.image_frame_hw.tolist() == [[32, 64], [30, 70]]
+    assert b.pixels.shape[0] == 8 + left.rows.shape[0]
+    rows = finish_resize(b.pixels, spec, b.image_grid_thw, b.image_frame_hw)
+    assert rows.shape[0] == 16 and (rows[8:] == 7).all()
+    assert merge([[at_grid, _sample(10, 8, "c")]], cfg, 768).image_frame_hw is None
+    assert framed.num_patches == 8  # patches are the grid's, whatever the rows hold
