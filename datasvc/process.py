@@ -110,8 +110,10 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
             acct.reject(raw.shard, raw.key, reason, detail)
             times.fail(stage)
             continue
-        pixels = np.concatenate([p.rows if isinstance(p, FrameRows) else p for p, _ in parts]) if parts \
-            else np.zeros((0, spec.patch_dim), np.uint8)
+        images = [p.rows if isinstance(p, FrameRows) else p for p, _ in parts]
+        # Decoders return fresh arrays: one image's rows are the sample's as they are, not copied again.
+        pixels = images[0] if len(images) == 1 else \
+            np.concatenate(images) if images else np.zeros((0, spec.patch_dim), np.uint8)
         sample = EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
                                np.asarray(grids, dtype=np.int64).reshape(-1, 3),
                                image_frame_hw=_frame_sizes(parts, spec))

@@ -23,6 +23,19 @@ import os
 import sys
 
 
+def _as_the_actors_allocate(wanted: bool) -> None:
+    """Restart this process under the preprocessing actors' ``GLIBC_TUNABLES`` when ``wanted`` and
+    not already under them: glibc reads them only at start, and the actors' work is measured as the
+    actors run it (a frame's fresh buffers page-fault under glibc's defaults)."""
+    from datasvc.config import ServiceConfig
+
+    tunables = ServiceConfig.actor_malloc_tunables
+    if wanted and tunables and tunables not in os.environ.get("GLIBC_TUNABLES", ""):
+        env = {**os.environ, "GLIBC_TUNABLES": ":".join(t for t in (tunables, os.environ.get("GLIBC_TUNABLES")) if t)}
+        sys.stdout.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlmfeed bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -38,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="synthetic web-photo samples added to the photo shards for packing (-1: no packing)")
     d.add_argument("--pack-copies", type=int, default=2, help="copies of the real-photo shards for packing")
     d.add_argument("--skip-hf-pil", action="store_true", help="skip the slow PIL-backend HF processor")
+    d.add_argument("--allocator", choices=("actors", "glibc"), default="actors",
+                   help="glibc allocator settings of the measuring process: the preprocessing actors' "
+                        "(ServiceConfig.actor_malloc_tunables), or glibc's defaults")
     d.add_argument("--out", default="bench-decode.json", help="JSON; a PNG of the same name goes beside it")
     s = sub.add_parser("service", help="Ray-streamed throughput vs actors, and vs in-process")
     s.add_argument("--max-actors", type=int, default=None, help="default: the CPU count")
@@ -111,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "decode":
         from datasvc.tools.bench.decode import bench_decode, plot_decode, print_decode
 
+        _as_the_actors_allocate(args.allocator == "actors")
         rep = bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
                            synth=args.synth, repeats=args.repeats, pack_synth=args.pack_synth,
                            skip_hf_pil=args.skip_hf_pil, mp_range=tuple(args.mp_range), pack_copies=args.pack_copies)

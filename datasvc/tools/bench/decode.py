@@ -343,6 +343,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_avg_at_start": list(os.getloadavg())},
         "threads": 1,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "vision": {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
         "photos": _photo_summary(photos, images, spec, build_s),
         "results": results,
