@@ -1,11 +1,12 @@
 """What flows between stages: one encoded sample, and one packed micro-batch.
 
-Arrays are numpy so they cross the Ray object store without copies. Images travel as their
-resized uint8 pixels, one temporal frame, in raster order (``vision.pixel_rows``: 768 bytes, one
-patch's worth, per row); the client turns them into the model's float ``pixel_values``
-[N, C*T*P*P] in patch order late, on the rank (see ``datasvc.client``). That saves 8x in
-object-store traffic over float32 with both frames, and leaves the patch permutation to the rank's
-GPU, where it is free.
+Arrays are numpy so they cross the Ray object store without copies. Images travel as uint8 pixels,
+one temporal frame, in raster order, in rows of 768 bytes (one patch's worth): resized to their grid
+(``vision.pixel_rows``), or as the decoded frame whose last resize the rank makes
+(``vision.FrameRows``; ``image_frame_hw`` says which). The client turns them into the model's float
+``pixel_values`` [N, C*T*P*P] in patch order late, on the rank (see ``datasvc.client``). That saves
+8x in object-store traffic over float32 with both frames, and leaves the resize and the patch
+permutation to the rank's GPU, where they cost microseconds.
 """
 from __future__ import annotations
 

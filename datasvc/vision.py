@@ -1,11 +1,13 @@
 """Vision geometry shared by Qwen2/2.5/3-VL style encoders: smart resize and patch layout.
 
 Model-specific numbers live in a pipeline's ``VisionSpec``; this module only does the arithmetic.
-Images travel as their resized uint8 RGB pixels in raster order, one temporal frame, cut into rows
-of one patch's size (768 bytes for P=16; ``pixel_rows``). Only the consumer puts them in the
-model's patch order and makes float ``pixel_values`` (``to_pixel_values``): on a GPU rank that
-permutation is free inside the normalizing kernel, while on the CPU it took 20-30% of the
-preprocessing actors' time per image (docs/benchmarks.md S7.1).
+Images travel as uint8 RGB pixels in raster order, one temporal frame, cut into rows of one patch's
+size (768 bytes for P=16): resized to their grid (``pixel_rows``), or as a decoded frame the
+consumer resizes (``FrameRows``, ``finish_resize``). Only the consumer puts them in the model's
+patch order and makes float ``pixel_values`` (``to_pixel_values``): on a GPU rank the resize takes
+microseconds and the permutation is free inside the normalizing kernel, while on the CPU they took
+about a third and 20-30% of the preprocessing actors' time per image (docs/benchmarks.md, "CPU
+preprocessing per core").
 """
 from __future__ import annotations
 
