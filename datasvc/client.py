@@ -30,6 +30,11 @@ from datasvc.vision import to_pixel_values
 
 
 class DataClient:
+    """A rank's micro-batches in order. ``output="torch"``: dicts of tensors on ``device`` with the
+    model's ``pixel_values`` (images the actors left unresized resized here, on that device);
+    ``"numpy"``: the ``PackedBatch`` itself, whose pixels ``vision.to_pixel_values(...,
+    frames_hw=batch.image_frame_hw)`` makes into ``pixel_values``."""
+
     def __init__(self, cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed",
                  device: str | None = None, output: str = "torch", pixel_dtype: str = "float32"):
         if not 0 <= dp_rank < cfg.dp_size:
