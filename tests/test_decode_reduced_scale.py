@@ -10,7 +10,7 @@ from PIL import Image
 from datasvc import jpegscale
 from datasvc.decode import CpuDecoder, DecodeJob, probe
 from datasvc.samples import real_photos
-from datasvc.vision import VisionSpec
+from datasvc.vision import FrameRows, VisionSpec
 from test_hf_equivalence import MAX_MAD, ours, reference
 
 CAPS = (512 * 512, 1024 * 1024)
@@ -21,8 +21,11 @@ def turbo_decoder():
     return CpuDecoder(num_threads=1, jpeg="libjpeg-turbo")
 
 
-@pytest.fixture(scope="module", params=["dali", "libjpeg-turbo"])
+@pytest.fixture(scope="module", params=["dali", "libjpeg-turbo", "dali, resize on the rank",
+                                        "libjpeg-turbo, resize on the rank"])
 def any_decoder(request, cpu_decoder, turbo_decoder):
+    if request.param.endswith("rank"):
+        return CpuDecoder(num_threads=1, jpeg=request.param.split(",")[0], rank_resize=True)
     return cpu_decoder if request.param == "dali" else turbo_decoder
 
 
@@ -161,25 +164,29 @@ def test_turbo_option_equals_dali_on_small_and_png(cpu_decoder, turbo_decoder):
 
 
 @pytest.mark.parametrize("jpeg", ["dali", "libjpeg-turbo"])
-def test_rows_do_not_alias_the_decoders_buffer(jpeg):
-    """Images already at their target size come out of DALI's reused output buffer unresized: their
-    rows must be copies, untouched by the next batch."""
-    decoder = CpuDecoder(num_threads=1, max_batch=4, jpeg=jpeg)
+@pytest.mark.parametrize("rank_resize", [False, True])
+def test_rows_do_not_alias_the_decoders_buffer(jpeg, rank_resize):
+    """Images already at their target size, and frames left to the rank, come out of DALI's reused
+    output buffer unresized: their rows must be copies, untouched by the next batch."""
+    decoder = CpuDecoder(num_threads=1, max_batch=4, jpeg=jpeg, rank_resize=rank_resize)
     spec = VisionSpec(min_pixels=32 * 32)
     rng = np.random.default_rng(0)
+    width = 100 if rank_resize else 96  # 100 rounds to a 96-pixel target: a frame for the rank
 
     def jobs(seed):
         out = []
         for k in range(3):
-            img = rng.integers(0, 256, (64 * (k + 1), 96, 3), dtype=np.uint8) if seed else \
-                np.full((64 * (k + 1), 96, 3), 10 * k, np.uint8)
+            img = rng.integers(0, 256, (64 * (k + 1), width, 3), dtype=np.uint8) if seed else \
+                np.full((64 * (k + 1), width, 3), 10 * k, np.uint8)
             data = _jpeg(img)
             h = probe(data, spec.max_decode_pixels)
             out.append(DecodeJob(data, h, spec.target_size(h.height, h.width)))
-            assert out[-1].target_hw == h.stored_hw
+            assert (out[-1].target_hw == h.stored_hw) != rank_resize
         return out
 
-    first = decoder.to_pixel_rows(jobs(0), spec)
+    out = decoder.to_pixel_rows(jobs(0), spec)
+    assert all(isinstance(r, FrameRows) == rank_resize for r in out)
+    first = [getattr(r, "rows", r) for r in out]
     kept = [r.copy() for r in first]
     decoder.to_pixel_rows(jobs(1), spec)
     for r, k in zip(first, kept):
