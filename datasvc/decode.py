@@ -4,8 +4,9 @@ Stages: ``probe`` (``datasvc.imagefile``) reads the header only (size, format, m
 and checks that the file is whole, so the pixel cap applies before any decode and both backends get
 the same files; a backend's ``to_pixel_rows`` decodes the stored frame, resizes it to the exact
 smart-resize target, applies the header's orientation and returns the image's uint8
-``vision.pixel_rows``. Patch order is the consumer's job (``vision.to_pixel_values``). The GPU
-backend is ``datasvc.gpudecode``.
+``vision.pixel_rows`` (or, where the CPU backend leaves the last resize to the rank, the oriented
+frame as a ``vision.FrameRows``). Patch order is the consumer's job (``vision.to_pixel_values``).
+The GPU backend is ``datasvc.gpudecode``.
 
 The CPU backend resizes with OpenCV (``datasvc.jpegscale``: which interpolation where, and why not torch).
 """
