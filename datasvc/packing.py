@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datasvc.batch import IGNORE_INDEX, EncodedSample, PackedBatch
+from datasvc.vision import grid_hw
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,9 +104,9 @@ def _frame_sizes(samples: list[EncodedSample], patch_dim: int) -> np.ndarray | N
     when all are."""
     if all(s.image_frame_hw is None for s in samples):
         return None
-    patch = math.isqrt(patch_dim // 3)
+    patch = math.isqrt(patch_dim // 3)  # patch_dim is 3 * P * P
     return np.concatenate([s.image_frame_hw if s.image_frame_hw is not None
-                           else s.image_grid_thw[:, 1:] * patch for s in samples]).astype(np.int64)
+                           else grid_hw(s.image_grid_thw, patch) for s in samples]).astype(np.int64)
 
 
 def plan_block(samples: list[EncodedSample], cfg: PackingConfig

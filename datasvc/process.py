@@ -24,7 +24,7 @@ from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where calle
 from datasvc.text import SampleRejected
 from datasvc.video import plan_video
 from datasvc.videodecode import VideoDecoder, decode_sample_videos
-from datasvc.vision import FrameRows, ImageRejected
+from datasvc.vision import ImageRejected, image_rows
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
@@ -110,13 +110,9 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
             acct.reject(raw.shard, raw.key, reason, detail)
             times.fail(stage)
             continue
-        images = [p.rows if isinstance(p, FrameRows) else p for p, _ in parts]
-        # Decoders return fresh arrays: one image's rows are the sample's as they are, not copied again.
-        pixels = images[0] if len(images) == 1 else \
-            np.concatenate(images) if images else np.zeros((0, spec.patch_dim), np.uint8)
+        pixels, frames = image_rows([p for p, _ in parts], grids, spec)
         sample = EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
-                               np.asarray(grids, dtype=np.int64).reshape(-1, 3),
-                               image_frame_hw=_frame_sizes(parts, spec))
+                               np.asarray(grids, dtype=np.int64).reshape(-1, 3), image_frame_hw=frames)
         if plans:
             sample.video_pixels = np.concatenate([r for r, _ in videos[si]])
             sample.video_grid_thw = np.asarray([p.grid for p in plans], dtype=np.int64)
@@ -125,15 +121,6 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
         mp += sum(h * w for _, h, w in grids) * spec.patch_size**2 / 1e6
     times.add("tokenize", time.perf_counter() - t0, len(encoded))
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
-
-
-def _frame_sizes(parts: list, spec) -> np.ndarray | None:
-    """``EncodedSample.image_frame_hw`` of a sample's decoded images: None when every one is at its
-    grid's size."""
-    if not any(isinstance(p, FrameRows) for p, _ in parts):
-        return None
-    return np.asarray([p.hw if isinstance(p, FrameRows) else (h * spec.patch_size, w * spec.patch_size)
-                       for p, (_, h, w) in parts], dtype=np.int64).reshape(-1, 2)
 
 
 def _probe_samples(raws: list, problems: list, spec, times: StageTimes) -> dict[int, list[DecodeJob]]:

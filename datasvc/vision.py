@@ -127,6 +127,28 @@ def frame_rows(image: np.ndarray, spec: VisionSpec) -> FrameRows:
     return FrameRows(rows, (h, w))
 
 
+def grid_hw(grid_thw, patch_size: int) -> np.ndarray:
+    """Each image's (h, w) in pixels at its grid's size: int64 [n_images, 2]."""
+    return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)[:, 1:] * patch_size
+
+
+def image_rows(images: list, grid_thw, spec: VisionSpec) -> tuple[np.ndarray, np.ndarray | None]:
+    """A decoder's results for consecutive images (``pixel_rows`` arrays or ``FrameRows``) -> their
+    rows concatenated, and every image's frame size (``EncodedSample.image_frame_hw``) when any is
+    a frame, else None. One image's rows come back as they are: decoders never hand out a buffer
+    they reuse."""
+    parts = [i.rows if isinstance(i, FrameRows) else i for i in images]
+    rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else \
+        np.zeros((0, spec.patch_dim), np.uint8)
+    if not any(isinstance(i, FrameRows) for i in images):
+        return rows, None
+    sizes = grid_hw(grid_thw, spec.patch_size)
+    for k, i in enumerate(images):
+        if isinstance(i, FrameRows):
+            sizes[k] = i.hw
+    return rows, sizes
+
+
 def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):
     """Concatenated rows of images that each hold either their ``pixel_rows`` or, where
     ``frames_hw`` differs from the grid's size, a ``FrameRows`` frame -> every image's
@@ -137,22 +159,21 @@ def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):
     (``jpegscale.fit_uint8``), which takes a third of torch's time there at the same exactness
     bound (docs/benchmarks.md, "CPU preprocessing per core").
     """
-    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    targets = grid_hw(grid_thw, spec.patch_size)
     frames = np.asarray(frames_hw, dtype=np.int64).reshape(-1, 2) if frames_hw is not None else None
-    p = spec.patch_size
-    if frames is None or np.array_equal(frames, grids[:, 1:] * p):
+    if frames is None or np.array_equal(frames, targets):
         return rows
-    if len(frames) != len(grids):
-        raise ValueError(f"{len(frames)} frame sizes for {len(grids)} images")
-    counts = [gh * gw if (h, w) == (gh * p, gw * p) else frame_row_count(h, w, spec)
-              for (_, gh, gw), (h, w) in zip(grids.tolist(), frames.tolist())]
+    if len(frames) != len(targets):
+        raise ValueError(f"{len(frames)} frame sizes for {len(targets)} images")
+    targets, frames = targets.tolist(), frames.tolist()
+    counts = [frame_row_count(h, w, spec) for h, w in frames]  # at the target: its grid's rows
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"the images' frames cover {sum(counts)} rows of {rows.shape[0]}")
-    n_out = int((grids[:, 1] * grids[:, 2]).sum())
-    if isinstance(rows, np.ndarray) or not rows.is_cuda:
+    n_out = sum(th * tw for th, tw in targets) // spec.patch_size**2
+    cpu_tensor = not isinstance(rows, np.ndarray) and not rows.is_cuda
+    if isinstance(rows, np.ndarray) or cpu_tensor:
         from datasvc.jpegscale import fit_uint8
 
-        cpu_tensor = not isinstance(rows, np.ndarray)
         src_rows, out = (rows.numpy() if cpu_tensor else rows), np.empty((n_out, spec.patch_dim), np.uint8)
         resize = fit_uint8
     else:
@@ -161,19 +182,19 @@ def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):
         src_rows, out = rows, torch.empty((n_out, spec.patch_dim), dtype=torch.uint8, device=rows.device)
         resize = hf_resize
     src = dst = 0
-    for (_, gh, gw), (h, w), n in zip(grids.tolist(), frames.tolist(), counts):
-        th, tw, m = gh * p, gw * p, gh * gw
+    for (th, tw), (h, w), n in zip(targets, frames, counts):
+        m = th * tw // spec.patch_size**2
         if (h, w) == (th, tw):
             out[dst:dst + m] = src_rows[src:src + n]
         else:
             frame = src_rows[src:src + n].reshape(-1)[:h * w * 3].reshape(h, w, 3)
             out[dst:dst + m].reshape(th, tw, 3)[...] = resize(frame, (th, tw))
         src, dst = src + n, dst + m
-    if isinstance(rows, np.ndarray) or rows.is_cuda:
-        return out
-    import torch
+    if cpu_tensor:
+        import torch
 
-    return torch.from_numpy(out)
+        return torch.from_numpy(out)
+    return out
 
 
 def hf_resize(frame, target_hw: tuple[int, int]):

@@ -16,8 +16,9 @@ shipped in installed wheels), and reports images/s and MP/s (source megapixels) 
       to the model's float ``pixel_values`` with ``to_pixel_values`` on the CPU (what a rank without
       a GPU adds); as a baseline in the same run (c-), the actors' work when they also put the
       rows in patch order;
-  (r) the rank's share under that default on a CPU-only rank: torch's resize of the frames the
-      actors left (a GPU rank's is in ``python -m trainer.bench --gpu-decode-only``).
+  (r) the rank's share under that default on a CPU-only rank: the client's resize of the frames the
+      actors left, as CPU tensors (OpenCV, ``vision.finish_resize``; a GPU rank's is in
+      ``python -m trainer.bench --gpu-decode-only``).
 
 and a per-stage profile of (c) (probe, decode, resize, then the consumer's patch order and
 normalize), and packing efficiency against padding every sample to ``seq_len`` (``packing``).
@@ -163,8 +164,9 @@ def _ours(spec, decoder, chunk: int, finish=None):
 
 
 def _rank_resize(spec, decoder, photos: list[Photo]):
-    """The rank's resize on the CPU of the frames ``decoder`` leaves it, in torch as the client
-    makes it; the photos decoded here, ahead of any timing."""
+    """The rank's resize on the CPU of the frames ``decoder`` leaves it, of CPU tensors as the
+    client holds them (``rank_resize_torch_cpu``: torch tensors, OpenCV's resize); the photos
+    decoded here, ahead of any timing."""
     import torch
 
     from datasvc.process import preprocess_images
