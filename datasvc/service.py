@@ -64,6 +64,18 @@ def _root_cause(exc: Exception) -> str:
     return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
+def _outcome(ref) -> tuple[str, object]:
+    """("ok", result), ("raised", the item's error) or ("died", the actor's death) of a ready ref."""
+    try:
+        return "ok", ray.get(ref)
+    except RayActorError as exc:
+        return "died", exc
+    except RayTaskError as exc:
+        return "raised", exc
+    except RayError as exc:  # out of memory, worker crashed: the actor is gone all the same
+        return "died", exc
+
+
 class _Pool:
     """Preprocessing actors of one feeder (an ``ItemRunner``); replaces the dead, redoes their items.
 
@@ -78,6 +90,7 @@ class _Pool:
     # Killed actors are replaced forever; actors that cannot even start (a missing package, a bad
     # pipeline option) would be too, so this many failures in a row, with no start between, are fatal.
     MAX_START_FAILURES = 5
+    DEAD_ACTOR_SETTLE_S = 30.0  # how long the other refs of a dead actor may take to resolve
 
     def __init__(self, cfg: ServiceConfig, rank: int, place: NodeShare | None = None):
         self.cfg, self.rank, self.place = cfg, rank, place  # place: its node, and that node's CPU budget
@@ -189,30 +202,39 @@ class _Pool:
             if entry is None:  # taken back when its actor was found dead
                 continue
             task, actor = entry
-            try:
-                result = ray.get(ref)
-            except RayActorError as exc:
-                self._actor_died(actor, task, exc, done)
-            except RayTaskError as exc:  # the item raised; the actor lives
-                self._raised(task, exc, done)
-            except RayError as exc:  # out of memory, worker crashed: the actor is gone all the same
-                self._actor_died(actor, task, exc, done)
+            outcome, value = _outcome(ref)
+            if outcome == "died":
+                self._actor_died(actor, task, value, done)
             else:
-                self.recovery.finish(task, result, done)
+                self._settle(task, outcome, value, done)
         self._drain_backlog()
         self._reap_retired()
         return done
 
-    def _raised(self, task: Task, exc: Exception, done: list) -> None:
-        self.recovery.raised(task, _root_cause(exc), done)
+    def _settle(self, task: Task, outcome: str, value, done: list) -> None:
+        if outcome == "ok":
+            self.recovery.finish(task, value, done)
+        else:  # the item raised; the actor lives
+            self.recovery.raised(task, _root_cause(value), done)
 
     def _actor_died(self, actor, task: Task, exc: Exception, done: list) -> None:
-        """Every task the actor held goes to recovery (which charges the one it was running)."""
-        mine = [task] + [t for t, a in self.in_flight.values() if a is actor]
-        for ref in [r for r, (_, a) in self.in_flight.items() if a is actor]:
+        """Every task the actor held is judged by its own outcome: those it finished before dying keep
+        their results (``ray.wait`` may report the death first), the ones that died with it go to
+        recovery, which charges the oldest: the one it was running."""
+        others = {r: t for r, (t, a) in self.in_flight.items() if a is actor}
+        for ref in others:
             del self.in_flight[ref]
+        died = [task]
+        if others:  # a dead actor's refs all resolve soon: to a result or to the death
+            settled, _ = ray.wait(list(others), num_returns=len(others), timeout=self.DEAD_ACTOR_SETTLE_S)
+            for ref, t in others.items():
+                outcome, value = _outcome(ref) if ref in settled else ("died", exc)
+                if outcome == "died":
+                    died.append(t)
+                else:
+                    self._settle(t, outcome, value, done)
         self._replace(actor, exc)
-        self.recovery.died(mine, f"{type(exc).__name__}: {_root_cause(exc)}", done)
+        self.recovery.died(died, f"{type(exc).__name__}: {_root_cause(exc)}", done)
 
     def _drain_backlog(self) -> None:
         backlog = self.recovery.backlog

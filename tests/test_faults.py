@@ -142,6 +142,31 @@ def test_actor_the_cluster_cannot_place_holds_no_work(photo_shards, ray_local):
         svc.shutdown()
 
 
+def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, ray_local):
+    """ray.wait may report an actor's death before the result of the item it finished first: that
+    item is delivered, and the death is charged to the item the actor died on."""
+    from datasvc.process import WorkItem
+    from datasvc.service import _Pool
+
+    idx = index_shard(photo_shards[0])
+    first, killer = (WorkItem(idx.path, i, (idx.samples[i],)) for i in (0, 1))
+    pool = _Pool(cfg(photo_shards, min_actors=1, max_actors=1,
+                     fault_injection={"kill_on_key": f"{idx.path}/{idx.samples[1].key}"}), rank=0)
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.has_room() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pool.submit("first", first) and pool.submit("killer", killer)
+        refs = {task.key: ref for ref, (task, _) in pool.in_flight.items()}
+        ray.wait(list(refs.values()), num_returns=2, timeout=120)
+        done = pool._collect_ready([refs["killer"]])  # the death seen first
+        assert [key for key, _ in done] == ["first"] and len(done[0][1].samples) == 1
+        (retry,) = pool.recovery.backlog
+        assert retry.key == "killer" and retry.deaths == 1
+    finally:
+        pool.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class _CannotStart:
     """Stands in for a preprocessing actor on a node that lacks a data-path package."""

@@ -25,7 +25,8 @@ def test_short_soak_over_hostile_shards(tmp_path):
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["crashes"] == 0, rep["crash"]
-    assert rep["epochs_completed"] >= 1 and rep["samples_lost"] == 0 and rep["samples_duplicated"] == 0, rep
+    assert rep["epochs_completed"] >= 1 and rep["samples_lost"] == 0 and rep["samples_duplicated"] == 0, \
+        json.dumps(rep, indent=1) + proc.stdout[-3000:] + proc.stderr[-3000:]
     assert rep["uncounted_samples"] == 0, rep["accounting_current_feeder"]
     assert rep["rss_under_budget"], {k: v for k, v in rep.items() if "rss" in k}
     assert proc.returncode == 0 and rep["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]

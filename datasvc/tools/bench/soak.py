@@ -183,6 +183,8 @@ def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_
                  kill_key: str) -> dict:
     per_epoch, faults, rss = run["per_epoch"], run["faults"], run["rss"]
     completed = sorted(per_epoch)[:-1]  # the last epoch was cut off by the clock
+    lost_keys = {e: sorted(expected - per_epoch[e]) for e in completed if expected - per_epoch[e]}
+    dup_keys = {e: sorted(per_epoch[e] - expected) for e in completed if per_epoch[e] - expected}
     lost = sum(sum((expected - per_epoch[e]).values()) for e in completed)
     dup = sum(sum((per_epoch[e] - expected).values()) for e in completed)
     a = stats["accounting"]
@@ -193,6 +195,7 @@ def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_
         "crashes": int(bool(run["crash"])), "crash": run["crash"],
         "samples_delivered": sum(sum(c.values()) for c in per_epoch.values()),
         "expected_per_epoch": sum(expected.values()), "samples_lost": lost, "samples_duplicated": dup,
+        "lost_keys_by_epoch": lost_keys, "duplicated_keys_by_epoch": dup_keys,
         "faults_injected": dict(faults), "faults_total": sum(faults.values()),
         "accounting_current_feeder": {"read": a["read"], "delivered": a["delivered"], "quarantined": quarantined,
                                       "skipped_by_rule": skipped, "in_flight": a.get("in_flight", 0)},
