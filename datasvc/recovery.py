@@ -1,5 +1,5 @@
 """What becomes of a work item that failed, so that one bad sample costs only itself. No Ray: the
-actor pool (``datasvc.service``) reports what happened, this decides what to redo.
+actor pool (``datasvc.pool``) reports what happened, this decides what to redo.
 
 - An item that raises twice is redone sample by sample; a sample that raises twice on its own is
   quarantined ``worker_error``.

@@ -29,13 +29,13 @@ def test_a_malformed_tunable_fails_fast_saying_what_to_write(bad):
 
 
 def test_a_started_actor_process_has_them(photo_shards, ray_local, monkeypatch):
-    from datasvc.service import _Pool
+    from datasvc.pool import ActorPool
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     # One entry: glibc 2.36 cuts the process's own copy of the variable (what /proc shows) at the
     # first ':' once it has read it; the process itself, and os.environ, keep the whole.
     tunables = "glibc.malloc.trim_threshold=1048576"
-    pool = _Pool(ServiceConfig(shards=tuple(photo_shards), actor_malloc_tunables=tunables), rank=0)
+    pool = ActorPool(ServiceConfig(shards=tuple(photo_shards), actor_malloc_tunables=tunables), rank=0)
     try:
         deadline = time.monotonic() + 120
         while not pool.actors and time.monotonic() < deadline:

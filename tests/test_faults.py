@@ -146,11 +146,11 @@ def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, 
     """ray.wait may report an actor's death before the result of the item it finished first: that
     item is delivered, and the death is charged to the item the actor died on."""
     from datasvc.process import WorkItem
-    from datasvc.service import _Pool
+    from datasvc.pool import ActorPool
 
     idx = index_shard(photo_shards[0])
     first, killer = (WorkItem(idx.path, i, (idx.samples[i],)) for i in (0, 1))
-    pool = _Pool(cfg(photo_shards, min_actors=1, max_actors=1,
+    pool = ActorPool(cfg(photo_shards, min_actors=1, max_actors=1,
                      fault_injection={"kill_on_key": f"{idx.path}/{idx.samples[1].key}"}), rank=0)
     try:
         deadline = time.monotonic() + 120
@@ -181,9 +181,9 @@ class _CannotStart:
 def test_actors_that_cannot_start_fail_fast_with_the_cause(photo_shards, ray_local):
     import pytest
 
-    from datasvc.service import DataServiceError, _Pool
+    from datasvc.service import DataServiceError, ActorPool
 
-    class Pool(_Pool):
+    class Pool(ActorPool):
         def _new(self):
             return _CannotStart.remote(self.cfg)
 
