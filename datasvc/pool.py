@@ -139,12 +139,14 @@ class ActorPool:
     def load(self, actor) -> int:
         return sum(1 for _, a in self.in_flight.values() if a is actor)
 
-    def _free_actor(self):
-        candidates = [a for a in self.actors if self.load(a) < 2]
+    def _free_actor(self, solo: bool = False):
+        """An actor for a task: two in flight keep an actor busy; a solo task gets an idle one, and
+        an actor running a solo task gets nothing else."""
+        running_solo = {id(a) for t, a in self.in_flight.values() if t.solo}
+        candidates = [a for a in self.actors if id(a) not in running_solo and self.load(a) < (1 if solo else 2)]
         return min(candidates, key=self.load) if candidates else None
 
     def _dispatch(self, task: Task, actor) -> None:
-        self.recovery.started(task)
         self.in_flight[actor.process.remote(task.item)] = (task, actor)
 
     def submit(self, key, item: WorkItem) -> bool:
@@ -197,8 +199,8 @@ class ActorPool:
 
     def _actor_died(self, actor, task: Task, exc: Exception, done: list) -> None:
         """Every task the actor held is judged by its own outcome: those it finished before dying keep
-        their results (``ray.wait`` may report the death first), the ones that died with it go to
-        recovery, which charges the oldest: the one it was running."""
+        their results (``ray.wait`` may report the death first); the ones that died with it go to
+        recovery, which charges a death only to a task that died alone."""
         others = {r: t for r, (t, a) in self.in_flight.items() if a is actor}
         for ref in others:
             del self.in_flight[ref]
@@ -215,12 +217,14 @@ class ActorPool:
         self.recovery.died(died, f"{type(exc).__name__}: {_root_cause(exc)}", done)
 
     def _drain_backlog(self) -> None:
+        """Backlogged tasks in order, each as soon as an actor can take it (a solo task waits for an
+        idle one without holding back those behind it)."""
         backlog = self.recovery.backlog
-        while backlog:
-            actor = self._free_actor()
-            if actor is None:
-                return
-            self._dispatch(backlog.pop(0), actor)
+        for task in list(backlog):
+            actor = self._free_actor(task.solo)
+            if actor is not None:
+                backlog.remove(task)
+                self._dispatch(task, actor)
 
     def _replace(self, actor, exc) -> None:
         if actor not in self.actors:

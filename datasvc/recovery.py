@@ -5,6 +5,10 @@ actor pool (``datasvc.pool``) reports what happened, this decides what to redo.
   quarantined ``worker_error``.
 - An item whose actor dies twice while running it (killed, out of memory, a decoder crash) is cut
   in halves, and so on down to the sample that kills its actor, quarantined ``worker_died``.
+- A death is charged only when it names its item: the actor held that item alone. An actor that
+  dies holding several charges none of them; they are redone one at a time (``solo``), because
+  the one it was running cannot be told from the others (the result of an item it finished may
+  be lost with it, so an innocent item fails beside the guilty one).
 - The pieces' results merge back into one result for the item the producer submitted.
 
 ``FaultInjection`` makes such failures happen for real, for tests only
@@ -37,8 +41,8 @@ class Task:
     parent: "Split | None" = None
     index: int = 0  # its place among the parent's pieces
     errors: int = 0  # times it raised
-    deaths: int = 0  # times its actor died while running it
-    seq: int = 0  # submission order: an actor runs its tasks in this order
+    deaths: int = 0  # times its actor died holding it alone
+    solo: bool = False  # runs on an actor holding nothing else, so that a death names it
 
 
 @dataclass(eq=False)
@@ -58,11 +62,6 @@ class Recovery:
         self.rank = rank
         self.backlog: list[Task] = []
         self.splits = 0  # tasks redone in pieces
-        self._seq = 0
-
-    def started(self, task: Task) -> None:
-        self._seq += 1
-        task.seq = self._seq
 
     def raised(self, task: Task, cause: str, done: list) -> None:
         task.errors += 1
@@ -74,18 +73,23 @@ class Recovery:
             self.finish(task, quarantine_item(task.item, "worker_error", cause), done)
 
     def died(self, tasks: list[Task], cause: str, done: list) -> None:
-        """The tasks an actor held when it died: the one it was running (its oldest) is charged,
-        the others were only queued behind it and go back as they were."""
-        running = min(tasks, key=lambda t: t.seq)
-        running.deaths += 1
-        for t in sorted(tasks, key=lambda t: t.seq):
-            if t is not running or t.deaths < TRIES:
-                self.backlog.append(t)
-            elif len(t.item.samples) > 1:
-                self._split(t, 2, f"killed its actor {TRIES} times ({cause})")
-            else:
-                detail = f"its preprocessing actor died {TRIES} times on this sample: {cause}"
-                self.finish(t, quarantine_item(t.item, "worker_died", detail), done)
+        """The tasks an actor held when it died. One alone is charged with the death; several are
+        not charged and go back solo (see the module doc)."""
+        if len(tasks) > 1:
+            for t in tasks:
+                t.solo = True
+            self.backlog.extend(tasks)
+            return
+        (task,) = tasks
+        task.deaths += 1
+        if task.deaths < TRIES:
+            task.solo = True
+            self.backlog.append(task)
+        elif len(task.item.samples) > 1:
+            self._split(task, 2, f"killed its actor {TRIES} times ({cause})", solo=True)
+        else:
+            detail = f"its preprocessing actor died {TRIES} times on this sample: {cause}"
+            self.finish(task, quarantine_item(task.item, "worker_died", detail), done)
 
     def finish(self, task: Task, result: ItemResult, done: list) -> None:
         if task.parent is None:
@@ -97,13 +101,13 @@ class Recovery:
         if split.left == 0:
             self.finish(split.task, merge_results(split.task.item, split.results), done)
 
-    def _split(self, task: Task, parts: int, why: str) -> None:
+    def _split(self, task: Task, parts: int, why: str, solo: bool = False) -> None:
         pieces = split_item(task.item, parts)
         self.splits += 1
         log.warning("rank %d: work item %s (%d samples) %s; redoing it in %d pieces", self.rank,
                     task.item.item_id, len(task.item.samples), why, len(pieces))
         split = Split(task, [None] * len(pieces), len(pieces))
-        self.backlog.extend(Task(None, piece, split, i) for i, piece in enumerate(pieces))
+        self.backlog.extend(Task(None, piece, split, i, solo=solo) for i, piece in enumerate(pieces))
 
 
 class FaultInjection:

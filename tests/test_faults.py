@@ -167,6 +167,30 @@ def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, 
         pool.shutdown()
 
 
+def test_items_redone_alone_run_on_an_idle_actor_with_nothing_behind_them(photo_shards, ray_local):
+    from datasvc.pool import ActorPool
+    from datasvc.process import WorkItem
+    from datasvc.recovery import Task
+
+    idx = index_shard(photo_shards[0])
+    pool = ActorPool(cfg(photo_shards, min_actors=1, max_actors=1), rank=0)
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.has_room() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        tasks = [Task(f"s{i}", WorkItem(idx.path, i, (idx.samples[i],)), solo=True) for i in range(2)]
+        pool.recovery.backlog.extend(tasks)
+        done = []
+        while len(done) < 2 and time.monotonic() < deadline:
+            done += pool.collect(timeout=1.0)
+            assert len(pool.in_flight) <= 1 and (not pool.in_flight or not pool.has_room())
+        assert sorted(key for key, _ in done) == ["s0", "s1"]
+        assert pool.has_room() and pool.submit("next", WorkItem(idx.path, 2, (idx.samples[2],)))
+        assert pool.submit("and another", WorkItem(idx.path, 3, (idx.samples[3],)))  # two a busy actor
+    finally:
+        pool.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class _CannotStart:
     """Stands in for a preprocessing actor on a node that lacks a data-path package."""

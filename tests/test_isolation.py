@@ -93,7 +93,6 @@ def test_recovery_bisects_down_to_the_sample_that_kills_its_actor(photo_shards):
     deaths = 0
     while rec.backlog:
         task = rec.backlog.pop(0)
-        rec.started(task)
         if any(s.key == killer for s in task.item.samples):
             deaths += 1
             rec.died([task], "SIGKILL", done)
@@ -109,17 +108,23 @@ def test_recovery_bisects_down_to_the_sample_that_kills_its_actor(photo_shards):
     assert [p.first for p in split_item(item, 9)] == [0, 1, 2, 3, 4]
 
 
-def test_an_actor_death_charges_the_item_it_was_running_not_those_queued_behind_it(photo_shards):
+def test_a_death_is_charged_only_to_an_item_that_died_alone(photo_shards):
+    """An actor that dies holding two items names neither (the one it finished may have lost its
+    result with it): both are redone alone, and only deaths alone count."""
     idx = index_shard(photo_shards[0])
     a, b = (WorkItem(idx.path, i, (idx.samples[i],)) for i in (0, 1))
     rec, done = Recovery(rank=0), []
     ta, tb = Task("a", a), Task("b", b)
-    rec.started(ta), rec.started(tb)
-    for _ in range(2):
+    for _ in range(3):
         rec.died([tb, ta], "SIGKILL", done)
+        assert rec.backlog == [tb, ta] and ta.solo and tb.solo
         rec.backlog.clear()
-        rec.started(ta), rec.started(tb)
-    assert [k for k, _ in done] == ["a"] and tb.deaths == 0
+    assert done == [] and ta.deaths == tb.deaths == 0
+    for _ in range(2):
+        rec.died([ta], "SIGKILL", done)
+        rec.backlog.clear()
+    assert [k for k, _ in done] == ["a"] and ta.deaths == 2 and tb.deaths == 0
+    assert [r.reason for r in done[0][1].accounting.log] == ["worker_died"]
 
 
 def test_failure_budget_stops_the_run_naming_the_top_reasons(tmp_path, photos):
