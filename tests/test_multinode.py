@@ -271,7 +271,7 @@ def test_unreachable_head_tells_a_listening_gcs_from_a_closed_port(monkeypatch):
 
 
 HEAD_LOSS_DRIVER = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     import ray
     from datasvc.client import DataService
     from datasvc.config import ServiceConfig
@@ -283,6 +283,9 @@ HEAD_LOSS_DRIVER = textwrap.dedent("""
     got = [list(next(client).sample_keys) for _ in range(3)]
     json.dump({"got": got, "state": client.save_state()}, open(out, "w"))
     open(out + ".ready", "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(out + ".killed") and time.monotonic() < deadline:
+        time.sleep(0.05)  # read on only once the head is gone, so the epoch cannot end first
     try:
         while True:
             next(client)
@@ -311,6 +314,7 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
             time.sleep(0.2)
         assert os.path.exists(out + ".ready"), driver.communicate(timeout=30)[0][-3000:]
         c.remove_node(c.head_node, allow_graceful=False)
+        open(out + ".killed", "w").close()
         log, _ = driver.communicate(timeout=120)
     finally:
         if driver.poll() is None:
