@@ -53,7 +53,10 @@ class EncodedSample:
     shard: str
     input_ids: np.ndarray  # int32 [L]
     labels: np.ndarray  # int32 [L], already shifted: labels[i] is the target for position i
-    pixels: np.ndarray  # uint8 [sum(h*w), 3*P*P]: each image's ``vision.pixel_rows`` in turn
+    # uint8 [k, 3*P*P] blocks whose concatenation holds each image's ``vision.pixel_rows`` in turn
+    # (an array stands for one block). Blocks may be views of a decoder's buffer: packing copies
+    # each once, into its micro-batch.
+    pixel_blocks: tuple[np.ndarray, ...] | np.ndarray
     image_grid_thw: np.ndarray  # int64 [n_images, 3]
     # int64 [n_images, 2]: the (h, w) of the frame each image's rows hold, when some hold a decoded
     # frame the consumer resizes to its grid's size (``vision.FrameRows``); None: all at that size.
@@ -62,6 +65,16 @@ class EncodedSample:
     # after the other in raster order (``datasvc.video.frames_to_rows``); grids [n_videos, 3].
     video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)
     video_grid_thw: np.ndarray = field(default_factory=lambda: _NO_GRIDS)
+
+    def __post_init__(self):
+        if isinstance(self.pixel_blocks, np.ndarray):
+            self.pixel_blocks = (self.pixel_blocks,)
+
+    @property
+    def pixels(self) -> np.ndarray:
+        """The sample's rows in one array (a copy when they travel in several blocks)."""
+        blocks = self.pixel_blocks
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
 
     @property
     def num_tokens(self) -> int:

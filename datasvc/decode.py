@@ -74,8 +74,10 @@ def _needs_pil(header: ImageHeader) -> bool:
 class CpuDecoder:
     """DALI CPU decode (libjpeg-turbo, libpng, libwebp), OpenCV resize. Runs without a GPU.
 
-    Each image is resized straight from DALI's output buffer (a view, valid until the next run),
-    so a full-size frame is never copied. ``jpeg="libjpeg-turbo"`` is the explicit, measured
+    Each image is resized straight from DALI's output buffer, and a frame left to the rank (or an
+    image already at its target) travels on as a view of it, so a frame is never copied here:
+    DALI's dynamic executor hands out a fresh buffer each run and keeps it while a view of it
+    lives. Copying each frame out cost the actors 15-20% of a decode's CPU time. ``jpeg="libjpeg-turbo"`` is the explicit, measured
     option of decoding RGB and grayscale JPEGs with OpenCV's libjpeg-turbo instead, at the reduced
     DCT scale that still covers the target (``datasvc.jpegscale``); DALI cannot scale its decode.
 
@@ -117,9 +119,9 @@ class CpuDecoder:
     def _map(self, fn: Callable, items: list) -> list:  # OpenCV releases the GIL: threads help
         return list(self._pool.map(fn, items)) if self._pool else [fn(x) for x in items]
 
-    def _dali(self, blobs: list[bytes], finish: Callable | None = None) -> list:
-        """DALI's decode of ``blobs``: ``finish(i, image)`` of each, run while ``image`` is still a
-        view of DALI's output buffer, or copies of the images without ``finish``."""
+    def _dali(self, blobs: list[bytes], finish: Callable) -> list:
+        """``finish(i, image)`` of each of DALI's decodes of ``blobs``; an image is a view of DALI's
+        output buffer, which lives as long as a view of it does."""
         with self._lock:
             try:
                 self._pipe.feed_input("encoded", [np.frombuffer(b, dtype=np.uint8) for b in blobs])
@@ -128,8 +130,6 @@ class CpuDecoder:
                 self._build()  # a DALI pipeline that raised stays broken: start a fresh one
                 raise
             views = [np.asarray(out[i]) for i in range(len(blobs))]  # no copy: DALI's own memory
-            if finish is None:
-                return [v.copy() for v in views]
             return self._map(lambda i: finish(i, views[i]), list(range(len(views))))
 
     def _dali_finish(self, jobs: list[DecodeJob], finish: Callable) -> list:
@@ -190,7 +190,7 @@ def _turbo_rows(job: DecodeJob, finish: Callable) -> np.ndarray | ImageRejected 
 def _finish(job: DecodeJob, img, scale: int, spec: VisionSpec, rank_resize: bool = False):
     """A frame decoded at 1/``scale`` of its stored size -> its pixel rows: resized to the target,
     then oriented; with ``rank_resize``, the oriented frame itself where its last resize may be
-    left to the rank. Fresh arrays, never a view of the decoder's buffer."""
+    left to the rank. Where no pixel changes these are views of the decoder's buffer."""
     if not isinstance(img, np.ndarray):
         return img
     stored = job.header.stored_hw
@@ -204,8 +204,6 @@ def _finish(job: DecodeJob, img, scale: int, spec: VisionSpec, rank_resize: bool
         # A whole frame: the rank's resize spans it as HF's spans the stored one.
         return frame_rows(orient(frame, job.header.orientation), spec)
     resized = jpegscale.resize_rest(frame, extent, job.decode_hw)
-    if job.header.orientation == 1 and resized is img:
-        resized = img.copy()  # already at the target: the one case that would alias DALI's buffer
     return pixel_rows(orient(resized, job.header.orientation), spec)
 
 

@@ -81,7 +81,7 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
             cu[r, j + 1] = pos
             keys.append(f"{s.shard}/{s.key}")
             sample_rows.append(r)
-            pixels.append(s.pixels)
+            pixels.extend(s.pixel_blocks)
             grids.append(s.image_grid_thw)
             if len(s.video_grid_thw):
                 video_pixels.append(s.video_pixels)

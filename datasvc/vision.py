@@ -106,10 +106,23 @@ def pixel_rows(image, spec: VisionSpec):
 @dataclass(frozen=True, slots=True)
 class FrameRows:
     """A decoded image whose last resize its consumer makes (``finish_resize``): the frame's uint8
-    RGB pixels in raster order, zero-padded to whole rows of ``VisionSpec.patch_dim`` bytes."""
+    RGB pixels in raster order, in whole rows of ``VisionSpec.patch_dim`` bytes. ``body`` holds
+    the rows the frame fills (a view of the decoder's buffer: no copy in the actor), ``tail`` its
+    last bytes zero-padded to one row, or no row when the frame fills its rows exactly."""
 
-    rows: np.ndarray  # uint8 [frame_row_count(hw), patch_dim]
+    body: np.ndarray  # uint8 [n, patch_dim]
+    tail: np.ndarray  # uint8 [0 or 1, patch_dim]
     hw: tuple[int, int]
+
+    @property
+    def blocks(self) -> tuple[np.ndarray, ...]:
+        """The frame's rows, as they travel: their concatenation is ``rows``."""
+        return (self.body, self.tail) if len(self.tail) else (self.body,)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """All the frame's rows in one array (a copy; ``frame_row_count(hw)`` of them)."""
+        return np.concatenate(self.blocks)
 
 
 def frame_row_count(height: int, width: int, spec: VisionSpec) -> int:
@@ -117,14 +130,15 @@ def frame_row_count(height: int, width: int, spec: VisionSpec) -> int:
 
 
 def frame_rows(image: np.ndarray, spec: VisionSpec) -> FrameRows:
-    """A fresh ``FrameRows`` of an HWC uint8 image (any strides; a view of a decoder's buffer is
-    copied once)."""
+    """The ``FrameRows`` of an HWC uint8 image: a view of a contiguous image's whole rows (copied
+    only when its strides are not raster order), and its tail padded in a fresh row."""
     h, w = image.shape[:2]
-    rows = np.empty((frame_row_count(h, w, spec), spec.patch_dim), np.uint8)
-    flat = rows.reshape(-1)
-    flat[:h * w * 3].reshape(h, w, 3)[...] = image
-    flat[h * w * 3:] = 0
-    return FrameRows(rows, (h, w))
+    flat = np.ascontiguousarray(image).reshape(-1)
+    full, rest = divmod(flat.size, spec.patch_dim)
+    body = flat[:full * spec.patch_dim].reshape(full, spec.patch_dim)
+    tail = np.zeros((1 if rest else 0, spec.patch_dim), np.uint8)
+    tail.reshape(-1)[:rest] = flat[full * spec.patch_dim:]
+    return FrameRows(body, tail, (h, w))
 
 
 def grid_hw(grid_thw, patch_size: int) -> np.ndarray:
@@ -132,21 +146,20 @@ def grid_hw(grid_thw, patch_size: int) -> np.ndarray:
     return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)[:, 1:] * patch_size
 
 
-def image_rows(images: list, grid_thw, spec: VisionSpec) -> tuple[np.ndarray, np.ndarray | None]:
-    """A decoder's results for consecutive images (``pixel_rows`` arrays or ``FrameRows``) -> their
-    rows concatenated, and every image's frame size (``EncodedSample.image_frame_hw``) when any is
-    a frame, else None. One image's rows come back as they are: decoders never hand out a buffer
-    they reuse."""
-    parts = [i.rows if isinstance(i, FrameRows) else i for i in images]
-    rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else \
-        np.zeros((0, spec.patch_dim), np.uint8)
+def image_rows(images: list, grid_thw, spec: VisionSpec) -> tuple[tuple[np.ndarray, ...], np.ndarray | None]:
+    """A decoder's results for consecutive images (``pixel_rows`` arrays or ``FrameRows``) -> the
+    blocks of rows whose concatenation holds them in turn (none is copied here: packing writes
+    each once into its micro-batch), and every image's frame size (``EncodedSample.image_frame_hw``)
+    when any is a frame, else None."""
+    blocks = tuple(b for i in images for b in (i.blocks if isinstance(i, FrameRows) else (i,))) or \
+        (np.zeros((0, spec.patch_dim), np.uint8),)
     if not any(isinstance(i, FrameRows) for i in images):
-        return rows, None
+        return blocks, None
     sizes = grid_hw(grid_thw, spec.patch_size)
     for k, i in enumerate(images):
         if isinstance(i, FrameRows):
             sizes[k] = i.hw
-    return rows, sizes
+    return blocks, sizes
 
 
 def finish_resize(rows, spec: VisionSpec, grid_thw, frames_hw):

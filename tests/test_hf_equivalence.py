@@ -221,6 +221,34 @@ def test_the_rank_resizes_mild_frames_and_the_actor_large_shrinks():
         assert float(np.abs(pv - reference(data, spec)[0]).mean()) < MAX_MAD
 
 
+def test_frames_left_to_the_rank_travel_uncopied_and_outlive_later_decodes():
+    """A frame left to the rank is a view of DALI's output, not a copy, and it keeps its pixels
+    while the decoder goes on decoding other batches (DALI's dynamic executor never reuses a
+    buffer a view holds); packed, it holds the same rows as a fresh decode of its photo."""
+    from datasvc.batch import EncodedSample
+    from datasvc.decode import CpuDecoder
+    from datasvc.packing import PackingConfig, merge
+
+    spec = VisionSpec()
+    photos = [jpeg(img) for _, img, _ in real_photos() if img.ndim == 3 and img.shape[2] == 3][:6]
+    decoder = CpuDecoder(num_threads=1, max_batch=3, rank_resize=True)
+    first = preprocess_images(photos[:3], spec, decoder)
+    frames = [rows for rows, _ in first if isinstance(rows, FrameRows)]
+    assert frames, "no photo was left to the rank"
+    assert all(not f.body.flags.owndata for f in frames)
+    before = [f.rows.copy() for f in frames]
+    for _ in range(4):
+        preprocess_images(photos[3:], spec, decoder)
+    assert all(np.array_equal(f.rows, b) for f, b in zip(frames, before))
+    fresh = preprocess_images(photos[:3], spec, CpuDecoder(num_threads=1, rank_resize=True))
+    samples = [EncodedSample(str(i), "s", np.zeros(1, np.int32), np.zeros(1, np.int32),
+                             r.blocks if isinstance(r, FrameRows) else r, np.asarray([g]))
+               for i, (r, g) in enumerate(first)]
+    packed = merge([samples], PackingConfig(seq_len=16, micro_batch_size=1), spec.patch_dim)
+    want = np.concatenate([r.rows if isinstance(r, FrameRows) else r for r, _ in fresh])
+    assert np.array_equal(packed.pixels, want)
+
+
 def test_hf_resize_gives_the_hf_processors_values():
     """``hf_resize`` (what a GPU rank runs on the frames it is left) is HF's own resize: on real
     photos it stays within a rounding step of the processor, far inside the equivalence bound."""

@@ -273,8 +273,8 @@ def _rank_resize(t: _Timings, jobs, spec, batch: int) -> None:
                            ).to_pixel_rows(jobs, spec)
         batches = []
         for i in range(0, len(jobs), batch):
-            rows, frames = image_rows(parts[i:i + batch], grids[i:i + batch], spec)
-            batches.append((torch.from_numpy(rows).pin_memory(), grids[i:i + batch], frames))
+            blocks, frames = image_rows(parts[i:i + batch], grids[i:i + batch], spec)
+            batches.append((torch.from_numpy(np.concatenate(blocks)).pin_memory(), grids[i:i + batch], frames))
         deferred = sum(isinstance(p, FrameRows) for p in parts)
         cpu_s = []
 
