@@ -77,9 +77,11 @@ class CpuDecoder:
     Each image is resized straight from DALI's output buffer, and a frame left to the rank (or an
     image already at its target) travels on as a view of it, so a frame is never copied here:
     DALI's dynamic executor hands out a fresh buffer each run and keeps it while a view of it
-    lives. Copying each frame out cost the actors 15-20% of a decode's CPU time. ``jpeg="libjpeg-turbo"`` is the explicit, measured
-    option of decoding RGB and grayscale JPEGs with OpenCV's libjpeg-turbo instead, at the reduced
-    DCT scale that still covers the target (``datasvc.jpegscale``); DALI cannot scale its decode.
+    lives. Copying each frame out cost the actors 12-18% of their CPU time.
+
+    ``jpeg="libjpeg-turbo"`` is the explicit, measured option of decoding RGB and grayscale JPEGs
+    with OpenCV's libjpeg-turbo instead, at the reduced DCT scale that still covers the target
+    (``datasvc.jpegscale``); DALI cannot scale its decode.
 
     ``rank_resize`` leaves the last resize of a frame (after any halving, within
     ``RANK_RESIZE_MAX_AREA`` of its target) to the consumer: such an image comes back as its frame,
