@@ -77,7 +77,7 @@ class CpuDecoder:
     Each image is resized straight from DALI's output buffer, and a frame left to the rank (or an
     image already at its target) travels on as a view of it, so a frame is never copied here:
     DALI's dynamic executor hands out a fresh buffer each run and keeps it while a view of it
-    lives. Copying each frame out cost the actors 12-18% of their CPU time.
+    lives. Copying each frame out cost the actors 9-18% of their CPU time.
 
     ``jpeg="libjpeg-turbo"`` is the explicit, measured option of decoding RGB and grayscale JPEGs
     with OpenCV's libjpeg-turbo instead, at the reduced DCT scale that still covers the target
