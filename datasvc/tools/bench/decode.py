@@ -36,7 +36,8 @@ import numpy as np
 from PIL import Image
 
 from datasvc.tools.bench.packing import packing_bench
-from datasvc.tools.bench.photos import Photo, one_thread, photo_set, synth_photos
+from datasvc.tools.bench.photos import Photo, photo_set, synth_photos
+from datasvc.tools.bench.timing import one_thread, paired_cpu_ratio, time_interleaved
 
 GOAL_VS_DECODE = 0.8
 GOAL_VS_HF = 8.0
@@ -44,42 +45,6 @@ GOAL_PATH = "ours_uint8_pixel_rows"  # the actors' work: what the goals are abou
 OURS = ("ours_pixel_values", "ours_uint8_pixel_rows", "ours_uint8_pixel_rows_libjpeg_turbo",
         "ours_uint8_pixel_rows_resized_in_actor", "ours_uint8_pixel_rows_libjpeg_turbo_resized_in_actor",
         "baseline_uint8_patch_order")
-
-
-def _time_interleaved(runs: dict, photos: list[Photo], repeats: int, once: tuple[str, ...] = ()) -> dict[str, float]:
-    """Best wall time of ``repeats`` passes of each run over all photos (after a warm-up), the
-    runs taking turns pass by pass (the order reversed every other round), so a change of load on
-    a shared host lands on all of them alike; the runs named in ``once`` get one pass."""
-    for fn in runs.values():
-        fn(photos[:2])
-    best = {name: float("inf") for name in runs}
-    for r in range(max(1, repeats)):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            if r and name in once:
-                continue
-            t0 = time.perf_counter()
-            runs[name](photos)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
-def paired_cpu_ratio(fast, slow, photos: list[Photo], rounds: int = 7) -> dict:
-    """Process CPU seconds of ``fast`` and ``slow`` over the photos, alternated for ``rounds`` rounds
-    (which goes first alternates too), so load from elsewhere lands on both alike; per-round
-    ``slow / fast`` ratios, their median and range."""
-    fast(photos[:2])
-    slow(photos[:2])
-    secs: dict = {fast: [], slow: []}
-    for r in range(rounds):
-        for fn in ((fast, slow) if r % 2 == 0 else (slow, fast)):
-            t0 = time.process_time()
-            fn(photos)
-            secs[fn].append(time.process_time() - t0)
-    ratios = [b / a for a, b in zip(secs[fast], secs[slow])]
-    return {"rounds": rounds, "fast_cpu_s_median": round(float(np.median(secs[fast])), 4),
-            "slow_cpu_s_median": round(float(np.median(secs[slow])), 4),
-            "ratio_median": round(float(np.median(ratios)), 3),
-            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)}
 
 
 def _libjpeg_turbo_decode(data: bytes):
@@ -335,7 +300,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         decoder = CpuDecoder(num_threads=1, rank_resize=ServiceConfig.resize_on == "rank")
         runs = _contenders(spec, decoder, skip_hf_pil, photos)
         # The slow HF PIL processor gets one pass; the rest the best of ``repeats``.
-        best = _time_interleaved({name: fn for name, (_, fn) in runs.items()}, photos, repeats, once=("hf_qwen2vl_pil",))
+        best = time_interleaved({name: fn for name, (_, fn) in runs.items()}, photos, repeats, once=("hf_qwen2vl_pil",))
         results = {name: {"group": group, "seconds": round(best[name], 4), "images_per_s": round(len(photos) / best[name], 2),
                           "mp_per_s": round(mp_total / best[name], 2)} for name, (group, _) in runs.items()}
         prof = profile_ours(photos, spec, CpuDecoder(num_threads=1))

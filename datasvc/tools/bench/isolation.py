@@ -69,8 +69,7 @@ def bench_isolation(images: int = 48, rounds: int = 9, max_pixels: int = 1 << 20
     from datasvc.process import WorkItem, process_item
     from datasvc.registry import get_pipeline
     from datasvc.shards import index_shard
-    from datasvc.tools.bench.decode import paired_cpu_ratio
-    from datasvc.tools.bench.photos import one_thread
+    from datasvc.tools.bench.timing import one_thread, paired_cpu_ratio
 
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         path = os.path.join(tmp, "photos.tar")

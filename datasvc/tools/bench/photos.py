@@ -1,8 +1,7 @@
 """The benchmarks' photo set: real colour photos from installed wheels at sizes spread over a range,
-and JPEGs of synthetic web-photo shards; and the one-thread scope the per-core numbers run in."""
+and JPEGs of synthetic web-photo shards."""
 from __future__ import annotations
 
-import contextlib
 import io
 from dataclasses import dataclass
 
@@ -10,26 +9,6 @@ import numpy as np
 from PIL import Image
 
 from datasvc.samples import cached_tars
-
-
-@contextlib.contextmanager
-def one_thread():
-    """OpenCV and torch on one thread each inside the block, as they were before it afterwards.
-
-    Only this process's thread pools are set, never the environment (``OMP_NUM_THREADS``), so
-    nothing leaks into processes started meanwhile or later (a trainer a benchmark launches).
-    """
-    import cv2
-    import torch
-
-    cv2_threads, torch_threads = cv2.getNumThreads(), torch.get_num_threads()
-    cv2.setNumThreads(1)
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        cv2.setNumThreads(cv2_threads)
-        torch.set_num_threads(torch_threads)
 
 
 @dataclass(frozen=True, slots=True)

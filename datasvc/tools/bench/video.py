@@ -210,7 +210,7 @@ def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float =
                 repeats: int = 3, modes=("all", "sampled"), pipeline: str = "qwen3vl") -> dict:
     """Every contender on every clip it can decode, in each mode; see the module's docstring."""
     from datasvc.registry import get_pipeline
-    from datasvc.tools.bench.photos import one_thread
+    from datasvc.tools.bench.timing import one_thread
 
     spec = get_pipeline(pipeline).video  # the frames the pipeline's processor samples
 
