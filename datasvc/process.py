@@ -24,7 +24,7 @@ from datasvc.stats import STAGES, StageTimes  # noqa: F401  (STAGES: where calle
 from datasvc.text import SampleRejected
 from datasvc.video import plan_video
 from datasvc.videodecode import VideoDecoder, decode_sample_videos
-from datasvc.vision import ImageRejected, image_rows
+from datasvc.vision import ImageRejected, image_blocks
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
@@ -110,8 +110,8 @@ def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: R
             acct.reject(raw.shard, raw.key, reason, detail)
             times.fail(stage)
             continue
-        pixels, frames = image_rows([p for p, _ in parts], grids, spec)
-        sample = EncodedSample(raw.key, raw.shard, input_ids, labels, pixels,
+        blocks, frames = image_blocks([p for p, _ in parts], grids, spec)
+        sample = EncodedSample(raw.key, raw.shard, input_ids, labels, blocks,
                                np.asarray(grids, dtype=np.int64).reshape(-1, 3), image_frame_hw=frames)
         if plans:
             sample.video_pixels = np.concatenate([r for r, _ in videos[si]])

@@ -146,7 +146,8 @@ def grid_hw(grid_thw, patch_size: int) -> np.ndarray:
     return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)[:, 1:] * patch_size
 
 
-def image_rows(images: list, grid_thw, spec: VisionSpec) -> tuple[tuple[np.ndarray, ...], np.ndarray | None]:
+def image_blocks(images: list, grid_thw, spec: VisionSpec
+                 ) -> tuple[tuple[np.ndarray, ...], np.ndarray | None]:
     """A decoder's results for consecutive images (``pixel_rows`` arrays or ``FrameRows``) -> the
     blocks of rows whose concatenation holds them in turn (none is copied here: packing writes
     each once into its micro-batch), and every image's frame size (``EncodedSample.image_frame_hw``)

@@ -265,7 +265,7 @@ def _rank_resize(t: _Timings, jobs, spec, batch: int) -> None:
     import torch
 
     from datasvc.decode import CpuDecoder
-    from datasvc.vision import FrameRows, image_rows, to_pixel_values
+    from datasvc.vision import FrameRows, image_blocks, to_pixel_values
 
     grids = [j.grid(spec) for j in jobs]
     for name, rank_resize in (("rank_resize", True), ("actor_resize", False)):
@@ -273,7 +273,7 @@ def _rank_resize(t: _Timings, jobs, spec, batch: int) -> None:
                            ).to_pixel_rows(jobs, spec)
         batches = []
         for i in range(0, len(jobs), batch):
-            blocks, frames = image_rows(parts[i:i + batch], grids[i:i + batch], spec)
+            blocks, frames = image_blocks(parts[i:i + batch], grids[i:i + batch], spec)
             batches.append((torch.from_numpy(np.concatenate(blocks)).pin_memory(), grids[i:i + batch], frames))
         deferred = sum(isinstance(p, FrameRows) for p in parts)
         cpu_s = []
