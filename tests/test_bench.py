@@ -42,10 +42,16 @@ def test_bench_decode_tiny(tmp_path):
     for c in ("ours_pixel_values", "ours_uint8_pixel_rows", "baseline_uint8_patch_order"):
         assert positive(rep["ratios"][c]["vs_fastest_decode"]) and positive(rep["ratios"][c]["vs_fastest_hf"])
         assert positive(rep["ratios"][c]["vs_decode_and_resize"])
-    for key in ("actors_cpu_over_decode_and_resize", "actors_copying_rows_cpu_over_default"):
+    for key in ("actors_cpu_over_decode_and_resize", "actors_copying_rows_cpu_over_default",
+                "dali_decode_cpu_over_torchvision", "dali_decode_cpu_over_torchvision_and_copy"):
         paired = rep[key]
         assert paired["ratio_min"] <= paired["ratio_median"] <= paired["ratio_max"] and paired["rounds"] == 7
     assert set(rep["goals"]) >= {"vs_fastest_decode", "vs_fastest_hf", "met_vs_decode", "met_vs_hf"}
+    for key in ("vs_fastest_decode_by_round", "vs_fastest_hf_by_round"):
+        rounds = rep["goals"][key]
+        assert rounds["rounds"] >= 1 and rounds["ratio_min"] <= rounds["ratio_median"] <= rounds["ratio_max"]
+    for r in rep["results"].values():
+        assert r["seconds"] <= r["seconds_median"]
     prof = rep["profile_ours"]
     assert set(prof) == {"probe", "decode", "resize", "to_pixel_values"}
     assert abs(sum(v["share"] for v in prof.values()) - 1.0) < 0.01

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--mp-range", type=float, nargs=2, default=(0.3, 4.0), metavar=("MIN", "MAX"),
                    help="megapixel range of the photo set")
     d.add_argument("--min-pixels", type=int, default=65536)
-    d.add_argument("--repeats", type=int, default=2, help="passes per contender (best is kept)")
+    d.add_argument("--repeats", type=int, default=5, help="passes per contender, taken in turns (best is kept)")
     d.add_argument("--pack-synth", type=int, default=200,
                    help="synthetic web-photo samples added to the photo shards for packing (-1: no packing)")
     d.add_argument("--pack-copies", type=int, default=2, help="copies of the real-photo shards for packing")

@@ -1,5 +1,5 @@
 """How the per-core benches time their contenders: on one thread each, wall time as the best of
-passes taken in turns, and process CPU time in alternated rounds, so that a change of load on a
+passes taken in turns (and round by round), and process CPU time in alternated rounds, so that a change of load on a
 shared host lands on every contender alike."""
 from __future__ import annotations
 
@@ -29,21 +29,29 @@ def one_thread():
         torch.set_num_threads(torch_threads)
 
 
-def time_interleaved(runs: dict, photos: list, repeats: int, once: tuple[str, ...] = ()) -> dict[str, float]:
-    """Best wall time of ``repeats`` passes of each run over all photos (after a warm-up), the
-    runs taking turns pass by pass (the order reversed every other round), so a change of load on
-    a shared host lands on all of them alike; the runs named in ``once`` get one pass."""
+def time_interleaved(runs: dict, photos: list, repeats: int, once: tuple[str, ...] = ()) -> dict[str, list[float]]:
+    """Wall seconds of each of ``repeats`` passes of each run over all photos (after a warm-up),
+    the runs taking turns pass by pass (the order reversed every other round), so a change of load
+    on a shared host lands on all of them alike; the runs named in ``once`` get one pass."""
     for fn in runs.values():
         fn(photos[:2])
-    best = {name: float("inf") for name in runs}
+    secs: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(max(1, repeats)):
         for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
             if r and name in once:
                 continue
             t0 = time.perf_counter()
             runs[name](photos)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            secs[name].append(time.perf_counter() - t0)
+    return secs
+
+
+def by_round(secs: dict[str, list[float]], baseline: str, path: str) -> dict:
+    """``path``'s speed as a multiple of ``baseline``'s in each round of ``time_interleaved``
+    (their passes ran back to back), with the median and range."""
+    ratios = [b / p for b, p in zip(secs[baseline], secs[path])]
+    return {"rounds": len(ratios), "ratio_median": round(float(np.median(ratios)), 3),
+            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)}
 
 
 def paired_cpu_ratio(fast, slow, photos: list, rounds: int = 7) -> dict:
