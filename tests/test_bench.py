@@ -28,6 +28,8 @@ def test_bench_decode_tiny(tmp_path):
     proc = run_bench(["decode", "--images", "4", "--repeats", "1", "--mp-range", "0.1", "0.4",
                       "--pack-synth", "4", "--pack-copies", "1", "--out", str(out)], tmp_path)
     rep = json.loads(out.read_text())
+    assert rep["command"].startswith("vlmfeed bench decode --images 4") and rep["question"].endswith("?")
+    assert rep["date"] and "cores" in rep["hardware"]
     assert rep["photos"]["count"] == 4 and positive(rep["photos"]["megapixels_total"])
     expected = {"torchvision_decode_jpeg": "a", "pil_decode": "a", "dali_cpu_decode": "a",
                 "libjpeg_turbo_decode_opencv_resize": "a+",

@@ -22,6 +22,8 @@ import json
 import os
 import sys
 
+from datasvc.tools.bench.provenance import stamp
+
 
 def _as_the_actors_allocate(wanted: bool) -> None:
     """Restart this process under the preprocessing actors' ``GLIBC_TUNABLES`` when ``wanted`` and
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(f"datasvc.tools.bench.{argv[0]}").main(argv[1:]) or 0)
     ap = _parser()
     args = ap.parse_args(argv)
+    command = "vlmfeed bench " + " ".join(argv)
 
     if args.cmd == "soak":
         from datasvc.tools.bench.soak import soak
@@ -113,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if rep["ok"] else 1
 
     if args.cmd == "video":
-        from datasvc.tools.bench.video import bench_video, print_video, with_provenance
+        from datasvc.tools.bench.video import bench_video, print_video
 
-        rep = with_provenance(bench_video(tuple(args.formats), tuple(args.sizes), args.seconds, args.fps,
-                                          args.gop_seconds, args.repeats), argv)
+        rep = stamp(bench_video(tuple(args.formats), tuple(args.sizes), args.seconds, args.fps,
+                                args.gop_seconds, args.repeats),
+                    "How fast is video decode, per decoder?", command)
         print_video(rep)
     elif args.cmd == "sizing":
         from datasvc.samples import large_shards
@@ -129,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         from datasvc.tools.bench.decode import bench_decode, plot_decode, print_decode
 
         _as_the_actors_allocate(args.allocator == "actors")
-        rep = bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
-                           synth=args.synth, repeats=args.repeats, pack_synth=args.pack_synth,
-                           skip_hf_pil=args.skip_hf_pil, mp_range=tuple(args.mp_range), pack_copies=args.pack_copies)
+        rep = stamp(bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
+                                 synth=args.synth, repeats=args.repeats, pack_synth=args.pack_synth,
+                                 skip_hf_pil=args.skip_hf_pil, mp_range=tuple(args.mp_range),
+                                 pack_copies=args.pack_copies),
+                    "What do the preprocessing actors cost per core, against raw decode and the HF processors?",
+                    command)
         print_decode(rep)
         plot_decode(rep, os.path.splitext(args.out)[0] + ".png")
         print(f"wrote {os.path.splitext(args.out)[0]}.png")

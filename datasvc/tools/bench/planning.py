@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -98,17 +99,6 @@ def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, 
     return {"samples": samples, "shards": len(shards), "seq_len": seq_len, "rows": rows}
 
 
-def provenance(argv) -> dict:
-    import platform
-
-    from datasvc.tools.bench.provenance import commit
-
-    return {"question": "What does a balanced feeder spend planning each step, from headers and from the sizes index?",
-            "command": "python -m datasvc.tools.bench.planning " + " ".join(sys.argv[1:] if argv is None else argv),
-            "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_start": list(os.getloadavg())}}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.planning", description=__doc__.split("\n\n")[0])
     p.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512])
@@ -122,7 +112,12 @@ def main(argv=None) -> int:
         rep = bench_planning(args.dp, args.steps, args.micro_batches_per_step, args.seq_len, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rep = {**provenance(argv), **rep}
+    from datasvc.tools.bench.provenance import stamp
+
+    rep = stamp({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                             "load_avg_at_start": list(os.getloadavg())}, **rep},
+                "What does a balanced feeder spend planning each step, from headers and from the sizes index?",
+                "python -m datasvc.tools.bench.planning " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"\n{'dp':>5} {'headers s/step':>15} {'index cold':>11} {'index warm':>11} {'headers/warm':>13}"
           f" {'start: tars':>12} {'listings':>9} {'tars/listings':>14}")
     for r in rep["rows"]:

@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 
-from datasvc.tools.bench.provenance import commit
 
 FORMATS = ("vp9/webm", "vp8/webm", "mjpeg/mkv", "h264/mp4", "hevc/mp4", "av1/mp4")
 SIZES = ("640x360", "1280x720")
@@ -300,9 +299,4 @@ def print_video(rep: dict) -> None:
             print(f"failed: {name} on {r['format']} {r['size']} ({r['mode']}): {why}")
 
 
-def with_provenance(rep: dict, argv: list[str]) -> dict:
-    return {"question": "How fast is video decode, per decoder?", "command": "vlmfeed bench " + " ".join(argv),
-            "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()), **rep}
-
-
-__all__ = ["bench_video", "make_clips", "print_video", "with_provenance"]
+__all__ = ["bench_video", "make_clips", "print_video"]
