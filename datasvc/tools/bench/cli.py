@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                            micro_batch_size=args.mbs)
         print_sizing(rep)
     elif args.cmd == "decode":
-        from datasvc.tools.bench.decode import bench_decode, plot_decode, print_decode
+        from datasvc.tools.bench.decode import bench_decode
+        from datasvc.tools.bench.decode_report import plot_decode, print_decode
 
         _as_the_actors_allocate(args.allocator == "actors")
         rep = stamp(bench_decode(images=args.images, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
