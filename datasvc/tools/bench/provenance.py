@@ -9,9 +9,10 @@ import time
 
 
 def commit() -> str | None:
-    """The short commit of this checkout, or None outside a git checkout."""
+    """The short commit of this checkout, ``-dirty`` after it where files differ from it (the
+    result is then of that commit plus changes), or None outside a git checkout."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
         return None
