@@ -32,7 +32,15 @@ _REDUCED = {1: 0, 2: cv2.IMREAD_REDUCED_GRAYSCALE_2, 4: cv2.IMREAD_REDUCED_GRAYS
 
 
 def resize_uint8(image: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
+    """A video frame resized to ``target_hw``; a frame of 4x the target or more on both sides is
+    first halved, while both its sides are even, so each halving keeps its geometry exactly. The
+    exact-2x area average is several times faster per pixel than OpenCV's area resize at a ratio
+    that is not whole, and the two steps stay as close to HF's antialiased bicubic as that resize
+    alone: 1080p frames to 128x64 in 1.0 ms against 3.3 ms on one core, 0.0088 mean |diff| at most
+    against 0.0092 (``vlmfeed bench video``, its ``resize`` rows)."""
     th, tw = target_hw
+    while image.shape[0] >= 4 * th and image.shape[1] >= 4 * tw and not (image.shape[0] % 2 or image.shape[1] % 2):
+        image = _halve(image)
     h, w = image.shape[:2]
     if (h, w) == (th, tw):
         return image

@@ -227,6 +227,43 @@ CONVERSATION = {"messages": [
     {"role": "assistant", "content": [{"type": "text", "text": "The camera pans right."}]}]}
 
 
+@pytest.mark.parametrize("frame_hw,target", [((1080, 1920), (64, 128)), ((1080, 1920), (128, 256)),
+                                             ((720, 1280), (64, 128)), ((360, 640), (224, 416))])
+def test_frames_far_above_their_target_are_halved_first_and_stay_as_close_to_hf(frame_hw, target):
+    """The frame resize (``jpegscale.resize_uint8``) on real photos filmed at video sizes: where a
+    frame is 4x its target or more it is halved first, and the result is at least as close to HF's
+    resize as OpenCV's area resize of the whole frame; below 4x it is that area resize itself."""
+    import cv2
+    import torch
+
+    from datasvc.jpegscale import resize_uint8
+    from datasvc.vision import hf_resize
+
+    th, tw = target
+    for name in sorted(_photos())[:3]:
+        (frame,) = pan_zoom(_photo(name), 1, frame_hw)
+        ours = resize_uint8(frame, target)
+        area = cv2.resize(frame, (tw, th), interpolation=cv2.INTER_AREA)
+        hf = hf_resize(torch.from_numpy(frame), target).numpy().astype(np.float32)
+        assert ours.shape == (th, tw, 3)
+        if frame_hw[0] < 4 * th or frame_hw[1] < 4 * tw:
+            assert np.array_equal(ours, area)
+        else:
+            assert not np.array_equal(ours, area)
+            assert np.abs(ours - hf).mean() <= np.abs(area - hf).mean() + 0.05  # in uint8 levels
+
+
+def test_odd_sided_frames_are_not_halved():
+    """A halving of an odd side would stretch the frame by half a pixel: such a frame goes to the
+    area resize whole."""
+    import cv2
+
+    from datasvc.jpegscale import resize_uint8
+
+    (frame,) = pan_zoom(_photo(sorted(_photos())[0]), 1, (1081, 1920))
+    assert np.array_equal(resize_uint8(frame, (64, 128)), cv2.resize(frame, (128, 64), interpolation=cv2.INTER_AREA))
+
+
 def test_tokens_grids_and_pixels_match_the_transformers_processor(clips, qwen3vl, vision, video_decoder):
     """On the same decoded frames (all of each video's frames, decoded by DALI, for the processor to
     sample itself): identical frame indices, grids, token ids (timestamps and pads), and pixels."""

@@ -139,6 +139,11 @@ def test_the_video_bench_times_each_decoder_on_the_same_clips(tmp_path):
     assert rep["summary"]["all"]["dali_cpu_over_pyav_geomean"] > 0
     assert "dali_gpu" in rep["absent"] or "dali_gpu" in rows["h264/mp4", "all"]["results"]
     assert all(r["failed"] == {} for r in rows.values())  # a decoder that takes a clip and fails is named there
+    resize = rep["resize"]  # the actors' frame resize against area alone, per clip length's target
+    assert [r["clip_seconds"] for r in resize] == [4.0, 10.0, 30.0] and {r["size"] for r in resize} == {"160x120"}
+    for r in resize:
+        assert r["ours_cpu_ms_per_frame"] > 0 and r["area_cpu_ms_per_frame"] > 0 and r["area_over_ours"] > 0
+        assert 0 <= r["ours_hf_mean_abs_diff_max"] < 0.05 and 0 <= r["area_hf_mean_abs_diff_max"] < 0.1
 
 
 def test_delivered_video_tokens_are_vision_tokens_in_the_stream_stats(tmp_path, qwen3vl):

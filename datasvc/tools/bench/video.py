@@ -12,6 +12,11 @@ bits per pixel. Each contender decodes them to RGB uint8 frames on one thread:
 - ``torchvision``: its video decoder, where this torch build has one (0.22+ moved it to torchcodec);
 - ``dali_gpu``: DALI's mixed backend (NVDEC), when a CUDA device is present.
 
+Also ``resize``: the actors' resize of decoded frames of each clip size to the targets the
+pipeline gives clips of 4, 10 and 30 seconds (``jpegscale.resize_uint8``, which halves frames of
+4x the target first), against OpenCV's area resize alone, by process CPU time per frame in
+alternated rounds, each with its distance from HF's resize (``vision.hf_resize``).
+
 Two modes: ``all`` decodes every frame; ``sampled`` delivers only the frames the pipeline's processor
 samples (2 a second, ``datasvc.video.sample_frame_indices``), as training does: DALI seeks to the
 keyframe before each, PyAV decodes forward to the last. Rates are wall-clock frames/s delivered,
@@ -227,10 +232,85 @@ def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float =
                 row["results"], row["failed"] = _time_row(found, clip, wanted, repeats)
                 _ratios(row)
                 rows.append(row)
+        resize = bench_resize(clips, pipeline)
     return {"kind": "video-decode", "machine": _machine(), "threads": 1, "repeats": repeats,
             "sampling": {"pipeline": pipeline, "fps": spec.fps, "min_frames": spec.min_frames},
             "clips": [_clip_facts(c) for c in clips], "clip_build_seconds": round(build_s, 1),
-            "absent": absent, "rows": rows, "summary": _summary(rows)}
+            "absent": absent, "rows": rows, "summary": _summary(rows), "resize": resize}
+
+
+def _decoded(clip: dict, frames: int) -> list[np.ndarray]:
+    import av
+
+    with av.open(io.BytesIO(clip["data"])) as container:
+        out = []
+        for frame in container.decode(video=0):
+            out.append(frame.to_ndarray(format="rgb24"))
+            if len(out) == frames:
+                return out
+    return out
+
+
+def _area_resize(frame: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
+    """The baseline: OpenCV's area resize of the whole frame in one step."""
+    import cv2
+
+    return cv2.resize(frame, target_hw[::-1], interpolation=cv2.INTER_AREA)
+
+
+def _hf_distance(frames: list[np.ndarray], resized: list[np.ndarray], target_hw, vision) -> float:
+    """The largest mean |diff| over the frames from HF's resize, in normalized pixel units."""
+    import torch
+
+    from datasvc.vision import hf_resize
+
+    std = float(np.mean(vision.image_std))
+    return max(float(np.abs(r.astype(np.float32) - hf_resize(torch.from_numpy(f), target_hw).numpy()).mean()) / 255 / std
+               for f, r in zip(frames, resized))
+
+
+def bench_resize(clips: list[dict], pipeline: str = "qwen3vl", frames: int = 8, rounds: int = 5,
+                 durations: tuple[float, ...] = (4.0, 10.0, 30.0)) -> list[dict]:
+    """Per clip size and target: process CPU ms per frame of the actors' resize and of the area
+    baseline (medians of alternated rounds), the baseline's time over ours, and each one's
+    distance from HF."""
+    from datasvc.jpegscale import resize_uint8
+    from datasvc.registry import get_layout, get_pipeline
+    from datasvc.video import video_target_size
+
+    vision, spec = get_layout(pipeline).vision, get_pipeline(pipeline).video
+    rows, done = [], set()
+    for clip in clips:  # one clip a size: the first PyAV decodes
+        if clip["size"] in done:
+            continue
+        try:
+            decoded = _decoded(clip, frames)
+        except Exception:  # noqa: BLE001 - a codec this FFmpeg build lacks: the next clip of the size
+            continue
+        if not decoded:
+            continue
+        done.add(size := clip["size"])
+        h, w = decoded[0].shape[:2]
+        for seconds in durations:
+            target = video_target_size(max(spec.min_frames, round(seconds * spec.fps)), h, w, vision, spec)
+            runs = {"ours": lambda: [resize_uint8(f, target) for f in decoded],
+                    "area": lambda: [_area_resize(f, target) for f in decoded]}
+            secs: dict = {k: [] for k in runs}
+            for r in range(rounds + 1):  # the first round warms up
+                for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                    t0 = time.process_time()
+                    runs[name]()
+                    if r:
+                        secs[name].append(time.process_time() - t0)
+            ratios = [a / o for a, o in zip(secs["area"], secs["ours"])]
+            rows.append({"size": size, "format": clip["fmt"], "clip_seconds": seconds, "target": list(target),
+                         "frames": len(decoded), "rounds": rounds,
+                         "ours_cpu_ms_per_frame": round(1e3 * float(np.median(secs["ours"])) / len(decoded), 3),
+                         "area_cpu_ms_per_frame": round(1e3 * float(np.median(secs["area"])) / len(decoded), 3),
+                         "area_over_ours": round(float(np.median(ratios)), 3),
+                         "ours_hf_mean_abs_diff_max": round(_hf_distance(decoded, runs["ours"](), target, vision), 4),
+                         "area_hf_mean_abs_diff_max": round(_hf_distance(decoded, runs["area"](), target, vision), 4)})
+    return rows
 
 
 def _ratios(row: dict) -> None:
@@ -292,6 +372,14 @@ def print_video(rep: dict) -> None:
     for mode, s in rep["summary"].items():
         print(f"{mode}: geomean vs fastest " + ", ".join(f"{k} {v}" for k, v in s["geomean_vs_fastest"].items())
               + f"; DALI CPU / PyAV {s['dali_cpu_over_pyav_geomean']}")
+    if rep.get("resize"):
+        print(f"\nresize of decoded frames, CPU ms per frame (ours: halving first; area: OpenCV's area alone), "
+              f"and the largest mean |diff| from HF's resize:")
+        for r in rep["resize"]:
+            print(f"  {r['size']:>9} -> {r['target'][1]}x{r['target'][0]} ({r['clip_seconds']:g} s clip): ours "
+                  f"{r['ours_cpu_ms_per_frame']:.3f} ms ({r['ours_hf_mean_abs_diff_max']:.4f}), area "
+                  f"{r['area_cpu_ms_per_frame']:.3f} ms ({r['area_hf_mean_abs_diff_max']:.4f}), area / ours "
+                  f"{r['area_over_ours']:.2f}x")
     for name, why in rep["absent"].items():
         print(f"not run: {name}: {why}")
     for r in rep["rows"]:
