@@ -156,10 +156,15 @@ def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, 
         deadline = time.monotonic() + 120
         while not pool.has_room() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert pool.submit("first", first) and pool.submit("killer", killer)
+        # The killer goes in once the first item's result is back: killed straight after finishing
+        # it, the actor could lose a reply it had not sent yet, and then it never finished it.
+        assert pool.submit("first", first)
+        (first_ref,) = pool.in_flight
+        assert ray.wait([first_ref], timeout=120)[0]
+        assert pool.submit("killer", killer)
         refs = {task.key: ref for ref, (task, _) in pool.in_flight.items()}
-        ray.wait(list(refs.values()), num_returns=2, timeout=120)
-        done = pool._collect_ready([refs["killer"]])  # the death seen first
+        assert ray.wait([refs["killer"]], timeout=120)[0]
+        done = pool._collect_ready([refs["killer"]])  # the death seen first, the first result uncollected
         assert [key for key, _ in done] == ["first"] and len(done[0][1].samples) == 1
         (retry,) = pool.recovery.backlog
         assert retry.key == "killer" and retry.deaths == 1
