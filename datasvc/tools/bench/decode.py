@@ -310,9 +310,11 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         decoder = CpuDecoder(num_threads=1, rank_resize=ServiceConfig.resize_on == "rank")
         runs = _contenders(spec, decoder, skip_hf_pil, photos)
         # The slow HF PIL processor gets one pass; the rest the best of ``repeats``.
-        passes = time_interleaved({name: fn for name, (_, fn) in runs.items()}, photos, repeats, once=("hf_qwen2vl_pil",))
+        passes = time_interleaved({name: fn for name, (_, fn) in runs.items()}, photos, repeats,
+                                  once=("hf_qwen2vl_pil",))
         best = {name: min(s) for name, s in passes.items()}
-        results = {name: {"group": group, "seconds": round(best[name], 4), "images_per_s": round(len(photos) / best[name], 2),
+        results = {name: {"group": group, "seconds": round(best[name], 4),
+                          "images_per_s": round(len(photos) / best[name], 2),
                           "mp_per_s": round(mp_total / best[name], 2),
                           "seconds_median": round(float(np.median(passes[name])), 4)}
                    for name, (group, _) in runs.items()}

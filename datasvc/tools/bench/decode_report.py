@@ -75,7 +75,8 @@ def print_decode(rep: dict) -> None:
     if d:
         print(f"DALI's CPU decode over torchvision's, process CPU time: {d['ratio_median']:.2f}x "
               f"(median of {d['rounds']} alternated rounds, range {d['ratio_min']:.2f}-{d['ratio_max']:.2f})")
-    for key, what in (("dali_decode_cpu_over_torchvision_and_copy", "DALI's decode, over torchvision's decode and one copy of its frame"),
+    for key, what in (("dali_decode_cpu_over_torchvision_and_copy",
+                       "DALI's decode, over torchvision's decode and one copy of its frame"),
                       ("actors_cpu_over_decode_and_resize", "the actors resizing, over libjpeg-turbo decode + OpenCV resize"),
                       ("actors_cpu_over_raw_decode", f"the actors (resize_on={rep.get('resize_on')}) over torchvision's decode"),
                       ("actors_resizing_cpu_over_default", "the actors resizing every image, over the default"),

@@ -26,6 +26,8 @@ from itertools import islice
 
 import numpy as np
 
+from datasvc.tools.bench.provenance import stamp
+
 
 def write_shards(out_dir: str, samples: int, per_shard: int = 64, seed: int = 0) -> list[str]:
     """Real JPEG tars with a wide size mix (64 px to 1.3k px a side, 1-3 images a sample, captions
@@ -112,8 +114,6 @@ def main(argv=None) -> int:
         rep = bench_planning(args.dp, args.steps, args.micro_batches_per_step, args.seq_len, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from datasvc.tools.bench.provenance import stamp
-
     rep = stamp({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                              "load_avg_at_start": list(os.getloadavg())}, **rep},
                 "What does a balanced feeder spend planning each step, from headers and from the sizes index?",

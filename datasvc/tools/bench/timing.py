@@ -1,6 +1,6 @@
 """How the per-core benches time their contenders: on one thread each, wall time as the best of
-passes taken in turns (and round by round), and process CPU time in alternated rounds, so that a change of load on a
-shared host lands on every contender alike."""
+passes taken in turns (and round by round), and process CPU time in alternated rounds, so that a
+change of load on a shared host lands on every contender alike."""
 from __future__ import annotations
 
 import contextlib

@@ -264,8 +264,8 @@ def _hf_distance(frames: list[np.ndarray], resized: list[np.ndarray], target_hw,
 
     from datasvc.vision import hf_resize
 
-    std = float(np.mean(vision.image_std))
-    return max(float(np.abs(r.astype(np.float32) - hf_resize(torch.from_numpy(f), target_hw).numpy()).mean()) / 255 / std
+    scale = 255 * float(np.mean(vision.image_std))
+    return max(float(np.abs(r.astype(np.float32) - hf_resize(torch.from_numpy(f), target_hw).numpy()).mean()) / scale
                for f, r in zip(frames, resized))
 
 
