@@ -131,3 +131,19 @@ def test_sizing_bench_measures_the_probe_against_the_whole_set(photo_shards, tmp
     assert whole["items_per_block"][0] == whole["items_per_block"][1]
     assert small["worst_rel_error"] > 0.0
     assert "block sizing probe: 48 samples in 8 shards" in capsys.readouterr().out
+
+
+def test_bench_allocator_pairs_processes_with_and_without_the_actors_tunables(tmp_path):
+    """One round of each case: a process under the actors' GLIBC_TUNABLES and one under glibc's
+    defaults, each timing the actors' work and torchvision's decode."""
+    from datasvc.config import ACTOR_MALLOC_TUNABLES
+
+    run_bench(["allocator", "--rounds", "1", "--images", "2", "--out", str(tmp_path)], tmp_path, timeout=600)
+    rep = json.loads((tmp_path / "allocator.json").read_text())
+    assert rep["tunables"] == ACTOR_MALLOC_TUNABLES and rep["command"].startswith("python -m datasvc.tools.bench.allocator")
+    assert set(rep["cases"]) == {"0.3-4 MP", "8-16 MP"}
+    for row in rep["cases"].values():
+        assert row["glibc_tunables_seen"] == {"defaults": [""], "actors": [ACTOR_MALLOC_TUNABLES]}
+        for r in (row["actors"], row["torchvision"]):
+            assert positive(r["cpu_ms_per_image_median"]["defaults"]) and positive(r["cpu_ms_per_image_median"]["actors"])
+            assert r["range"][0] <= r["defaults_over_actors_median"] <= r["range"][1]

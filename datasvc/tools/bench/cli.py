@@ -6,6 +6,7 @@
     vlmfeed bench sizing  [SHARDS ...] [--probe-samples 64 128 256] [--seeds 8]
     vlmfeed bench peers   data|train|all|duplication ...   against Megatron-Bridge's loader and Ray Data
     vlmfeed bench video   [--formats vp9/webm h264/mp4 ...] [--sizes 640x360 1280x720] [--out results.json]
+    vlmfeed bench allocator [--rounds 5] [--out DIR]   the actors' allocator settings against glibc's defaults
 
 ``decode``: per-core decode / preprocess throughput against raw decode and the HF processors, and
 packing efficiency (``bench.decode``). ``service``: the Ray-streamed path with 1..N actors against
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return int(importlib.import_module(PEERS_MODULE).main(argv[1:]) or 0)
-    if argv[:1] in (["balance"], ["isolation"], ["planning"]):  # benches with options of their own
+    if argv[:1] in (["allocator"], ["balance"], ["isolation"], ["planning"]):  # benches with options of their own
         import importlib
 
         return int(importlib.import_module(f"datasvc.tools.bench.{argv[0]}").main(argv[1:]) or 0)
