@@ -65,8 +65,9 @@ class ServiceConfig:
     """GPU fraction each preprocessing actor requests when ``decode`` is "gpu"."""
     actor_malloc_tunables: str = ACTOR_MALLOC_TUNABLES
     """glibc's allocator settings (``GLIBC_TUNABLES``) for the preprocessing actors' processes. The
-    default spares a large photo's decode most of its page faults: 1.2-1.25x less CPU per image in
-    the actors on 8-16 MP photos, the same on 1-4 MP (docs/benchmarks.md, "CPU preprocessing per
+    default spares a large photo's decode most of its page faults: 1.05-1.34x less CPU per image in
+    the actors on 8-16 MP photos (1.34x on an H200 host), about the same on 0.3-4 MP
+    (``python -m datasvc.tools.bench.allocator``; docs/benchmarks.md, "CPU preprocessing per
     core"). Empty: glibc's defaults. Entries of a GLIBC_TUNABLES that the cluster's processes were
     started with win over these."""
     min_actors: int = 1
