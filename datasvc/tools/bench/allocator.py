@@ -51,8 +51,6 @@ def _child(tunables: str, case: tuple[float, float, int], max_pixels: int) -> di
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     if tunables:
         env["GLIBC_TUNABLES"] = tunables
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "datasvc.tools.bench.allocator", "--measure",
                            *(str(x) for x in case), str(max_pixels)], env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -74,7 +72,8 @@ def bench_allocator(rounds: int = 5, cases: dict = CASES, max_pixels: int = 1677
         for what in ("actors", "torchvision"):
             ratios = [d[what] / a[what] for d, a in zip(per["defaults"], per["actors"])]
             rows[name][what] = {
-                "cpu_ms_per_image_median": {k: round(float(np.median([x[what] for x in v])), 3) for k, v in per.items()},
+                "cpu_ms_per_image_median": {k: round(float(np.median([x[what] for x in v])), 3)
+                                            for k, v in per.items()},
                 "defaults_over_actors_median": round(float(np.median(ratios)), 3),
                 "range": [round(min(ratios), 3), round(max(ratios), 3)]}
     return {"tunables": ACTOR_MALLOC_TUNABLES, "rounds": rounds, "max_pixels": max_pixels,

@@ -94,14 +94,19 @@ def _pyav(clip: dict, wanted: list[int]) -> int:
     return got
 
 
-def _dali(decoder):
+def _plan(clip: dict, wanted: list[int]):
+    """A plan that asks for the ``wanted`` frames of the clip at their stored size."""
     from datasvc.video import VideoPlan
+
+    h = clip["header"]
+    return VideoPlan(clip["data"], h, tuple(wanted), (h.height, h.width), (1, 1, 1), ())
+
+
+def _dali(decoder):
     from datasvc.vision import ImageRejected
 
     def run(clip: dict, wanted: list[int]) -> int:
-        h = clip["header"]
-        plan = VideoPlan(clip["data"], h, tuple(wanted), (h.height, h.width), (1, 1, 1), ())
-        (frames,) = decoder.decode_frames([plan])
+        (frames,) = decoder.decode_frames([_plan(clip, wanted)])
         if isinstance(frames, ImageRejected):
             raise frames
         return int(frames.shape[0])
@@ -110,12 +115,10 @@ def _dali(decoder):
 
 
 def _pyav_backend(clip: dict, wanted: list[int]) -> int:
-    from datasvc.video import VideoPlan
     from datasvc.videodecode import _PyAVVideo
     from datasvc.vision import ImageRejected
 
-    h = clip["header"]
-    (frames,) = _PyAVVideo().decode([VideoPlan(clip["data"], h, tuple(wanted), (h.height, h.width), (1, 1, 1), ())])
+    (frames,) = _PyAVVideo().decode([_plan(clip, wanted)])
     if isinstance(frames, ImageRejected):
         raise frames
     return int(frames.shape[0])
@@ -240,15 +243,12 @@ def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float =
 
 
 def _decoded(clip: dict, frames: int) -> list[np.ndarray]:
-    import av
+    """The clip's first ``frames`` frames, decoded by the actors' PyAV backend; none where it
+    cannot decode the clip."""
+    from datasvc.videodecode import _PyAVVideo
 
-    with av.open(io.BytesIO(clip["data"])) as container:
-        out = []
-        for frame in container.decode(video=0):
-            out.append(frame.to_ndarray(format="rgb24"))
-            if len(out) == frames:
-                return out
-    return out
+    (decoded,) = _PyAVVideo().decode([_plan(clip, list(range(min(frames, clip["header"].frames))))])
+    return list(decoded) if isinstance(decoded, np.ndarray) else []
 
 
 def _area_resize(frame: np.ndarray, target_hw: tuple[int, int]) -> np.ndarray:
@@ -276,6 +276,7 @@ def bench_resize(clips: list[dict], pipeline: str = "qwen3vl", frames: int = 8, 
     distance from HF."""
     from datasvc.jpegscale import resize_uint8
     from datasvc.registry import get_layout, get_pipeline
+    from datasvc.tools.bench.timing import paired_cpu_ratio
     from datasvc.video import video_target_size
 
     vision, spec = get_layout(pipeline).vision, get_pipeline(pipeline).video
@@ -283,33 +284,27 @@ def bench_resize(clips: list[dict], pipeline: str = "qwen3vl", frames: int = 8, 
     for clip in clips:  # one clip a size: the first PyAV decodes
         if clip["size"] in done:
             continue
-        try:
-            decoded = _decoded(clip, frames)
-        except Exception:  # noqa: BLE001 - a codec this FFmpeg build lacks: the next clip of the size
-            continue
-        if not decoded:
+        decoded = _decoded(clip, frames)
+        if not decoded:  # a codec this FFmpeg build lacks: the next clip of the size
             continue
         done.add(size := clip["size"])
         h, w = decoded[0].shape[:2]
         for seconds in durations:
             target = video_target_size(max(spec.min_frames, round(seconds * spec.fps)), h, w, vision, spec)
-            runs = {"ours": lambda: [resize_uint8(f, target) for f in decoded],
-                    "area": lambda: [_area_resize(f, target) for f in decoded]}
-            secs: dict = {k: [] for k in runs}
-            for r in range(rounds + 1):  # the first round warms up
-                for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                    t0 = time.process_time()
-                    runs[name]()
-                    if r:
-                        secs[name].append(time.process_time() - t0)
-            ratios = [a / o for a, o in zip(secs["area"], secs["ours"])]
+            def ours(fs):
+                return [resize_uint8(f, target) for f in fs]
+
+            def area(fs):
+                return [_area_resize(f, target) for f in fs]
+
+            paired = paired_cpu_ratio(ours, area, decoded, rounds)
             rows.append({"size": size, "format": clip["fmt"], "clip_seconds": seconds, "target": list(target),
                          "frames": len(decoded), "rounds": rounds,
-                         "ours_cpu_ms_per_frame": round(1e3 * float(np.median(secs["ours"])) / len(decoded), 3),
-                         "area_cpu_ms_per_frame": round(1e3 * float(np.median(secs["area"])) / len(decoded), 3),
-                         "area_over_ours": round(float(np.median(ratios)), 3),
-                         "ours_hf_mean_abs_diff_max": round(_hf_distance(decoded, runs["ours"](), target, vision), 4),
-                         "area_hf_mean_abs_diff_max": round(_hf_distance(decoded, runs["area"](), target, vision), 4)})
+                         "ours_cpu_ms_per_frame": round(1e3 * paired["fast_cpu_s_median"] / len(decoded), 3),
+                         "area_cpu_ms_per_frame": round(1e3 * paired["slow_cpu_s_median"] / len(decoded), 3),
+                         "area_over_ours": paired["ratio_median"],
+                         "ours_hf_mean_abs_diff_max": round(_hf_distance(decoded, ours(decoded), target, vision), 4),
+                         "area_hf_mean_abs_diff_max": round(_hf_distance(decoded, area(decoded), target, vision), 4)})
     return rows
 
 
