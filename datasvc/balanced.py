@@ -51,8 +51,9 @@ class BalancedProducer:
         if not cfg.balance_dp:
             raise ValueError("BalancedProducer needs ServiceConfig.balance_dp=True")
         self.cfg, self.rank, self.k = cfg, rank, cfg.micro_batches_per_step
-        self.start = start if isinstance(start, Position) else Position(**start) if start else Position()
         self.plan = plan if plan is not None else EpochPlan(cfg)
+        self.start = (start if isinstance(start, Position) else Position(**start) if start
+                      else Position(epoch=self.plan.first_epoch))
         self.model = balance.cost_model(cfg.pipeline, **cfg.balance_cost)
         header = HeaderProcessor(cfg)
         if cfg.sizes_index:
@@ -181,8 +182,10 @@ class BalancedProducer:
         out = []
         for batch in planned:
             rows: list[list[EncodedSample]] = [[] for _ in range(batch.tokens.shape[0])]
-            for key, row in zip(batch.sample_keys, batch.sample_rows.tolist()):
+            for key, row, epoch, ordinal in zip(batch.sample_keys, batch.sample_rows.tolist(),
+                                                batch.sample_epochs.tolist(), batch.sample_ordinals.tolist()):
                 if key in encoded:
+                    encoded[key].epoch, encoded[key].ordinal = epoch, ordinal
                     rows[row].append(encoded[key])
             for row in rows:  # headers and pixels disagree on a sample's length: it waits out this row
                 while sum(x.num_tokens for x in row) > self.packing.seq_len:

@@ -65,6 +65,9 @@ class EncodedSample:
     # after the other in raster order (``datasvc.video.frames_to_rows``); grids [n_videos, 3].
     video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)
     video_grid_thw: np.ndarray = field(default_factory=lambda: _NO_GRIDS)
+    # The epoch it was drawn for and its ordinal in the plan (``WorkItem``), set by the producer.
+    epoch: int = 0
+    ordinal: int = -1
 
     def __post_init__(self):
         if isinstance(self.pixel_blocks, np.ndarray):
@@ -116,6 +119,10 @@ class PackedBatch:
     sample_rows: np.ndarray | None = None  # int32 [n_samples]: the row each key sits in
     video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)  # as EncodedSample's, in turn
     video_grid_thw: np.ndarray = field(default_factory=lambda: _NO_GRIDS)  # int64 [n_videos, 3]
+    # int64 [n_samples] each, row-major as sample_keys: the epoch each sample was drawn for and its
+    # ordinal in the plan; what a rank records as trained (``datasvc.remainder.TrainedSamples``).
+    sample_epochs: np.ndarray | None = None
+    sample_ordinals: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from datasvc.config import ServiceConfig
 from datasvc.locality import release_budgets, this_node
 from datasvc.registry import get_layout
 from datasvc.rejects import Accounting
+from datasvc.remainder import KEPT_EPOCHS, TrainedSamples
 from datasvc.service import DataServiceError, End, EndOfData, feeder_name, start_feeder
 from datasvc.shards import expand_shards
 from datasvc.vision import to_pixel_values
@@ -53,6 +54,7 @@ class DataClient:
         self._owned_feeder = None
         self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
         self._head = head_address()  # noted now: once the head is lost Ray may no longer say it
+        self.trained = TrainedSamples()  # every sample of the micro-batches returned, by epoch
         self.wait_s = 0.0
         self.transfer_s = 0.0
         self.delivered = 0
@@ -73,8 +75,9 @@ class DataClient:
         if isinstance(item, BaseException):
             self._thread = None
             raise item
-        batch, pos = item
+        batch, pos, marks = item
         self._last_pos = pos
+        self.trained.add(*marks)
         self.delivered += 1
         return batch
 
@@ -111,6 +114,7 @@ class DataClient:
         self._halt.clear()
         self._reopen_feeder(state)
         self._next_step = state["step"]
+        self.trained = TrainedSamples.from_state(state.get("trained"))
         before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
                   "step": state["step"] - 1}
         self._fetched_pos = self._last_pos = before
@@ -127,6 +131,7 @@ class DataClient:
                 pass
         if self._dataset is not None:
             state["dataset"] = self._dataset
+        state["trained"] = self.trained.since(pos["epoch"] - KEPT_EPOCHS).to_state()
         return state
 
     def _reopen_feeder(self, state: dict) -> None:
@@ -188,6 +193,7 @@ class DataClient:
                     raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
                                     f"{end.steps} micro-batches; raise epochs or lower train_iters")
                 packed, pos = reply
+                marks = (packed.sample_epochs, packed.sample_ordinals)
                 t0 = time.perf_counter()
                 batch = self._materialize(packed)
                 self.transfer_s += time.perf_counter() - t0
@@ -197,7 +203,7 @@ class DataClient:
                 self._next_step = step
                 while not self._halt.is_set():
                     try:
-                        self._ahead.put((batch, pos), timeout=0.5)
+                        self._ahead.put((batch, pos, marks), timeout=0.5)
                         break
                     except queue.Full:
                         continue

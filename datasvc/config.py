@@ -43,6 +43,9 @@ class ServiceConfig:
     blocks_span_epochs: bool = False
     """Cut blocks from the epochs laid end to end: an epoch then ends without a part-empty block.
     Positions count blocks from the stream's start; each epoch still holds each sample once."""
+    remainder: dict | None = None
+    """Where a resume at another data-parallel size took the stream up (``datasvc.remainder``): the
+    first epoch, and the samples of each epoch under way already trained, which the plan leaves out."""
     chain_blocks: int = 1
     """Blocks packed as a chain: rows that would leave a block's last micro-batch part empty are held
     and packed with the next block's samples, up to the end of a chain of this many blocks (and at
@@ -203,6 +206,8 @@ class ServiceConfig:
             fields["filters"] = list(self.filters)
         if self.blend:  # the sources as parsed, so an edited blend file is a different stream
             fields["blend"] = [[s.name, list(s.shards), s.weight] for s in parse_blend(self.blend)]
+        if self.remainder:
+            fields["remainder"] = hashlib.sha1(json.dumps(self.remainder, sort_keys=True).encode()).hexdigest()
         if self.chain_blocks != 1:
             fields["chain_blocks"] = self.chain_blocks
         if self.balance_dp:

@@ -95,6 +95,8 @@ def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -
         image_grid_thw=np.concatenate(grids) if grids else np.zeros((0, 3), np.int64),
         image_frame_hw=_frame_sizes([s for row in rows for s in row], patch_dim),
         sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32),
+        sample_epochs=np.asarray([s.epoch for row in rows for s in row], dtype=np.int64),
+        sample_ordinals=np.asarray([s.ordinal for row in rows for s in row], dtype=np.int64),
         video_pixels=np.concatenate(video_pixels) if video_pixels else np.zeros((0, patch_dim), np.uint8),
         video_grid_thw=np.concatenate(video_grids) if video_grids else np.zeros((0, 3), np.int64))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,27 +35,41 @@ class Position:
 class EpochPlan:
     def __init__(self, cfg: ServiceConfig, indexes: list[ShardIndex] | None = None):
         from datasvc.process import WorkItem
+        from datasvc.remainder import TrainedSamples
 
         self.cfg = cfg
         if indexes is None:  # with a sizes index, the shards' tar listings are kept beside it
             indexes = index_shards(expand_shards(list(cfg.shards)), cfg.sizes_index)
         self.indexes = indexes
         self._items: list[WorkItem] = []
+        ordinal = 0  # a sample's place in the plan: what a record of trained samples names it by
         for idx in self.indexes:
             for first in range(0, len(idx.samples), cfg.samples_per_item):
-                self._items.append(WorkItem(idx.path, first, tuple(idx.samples[first:first + cfg.samples_per_item])))
+                chunk = tuple(idx.samples[first:first + cfg.samples_per_item])
+                self._items.append(WorkItem(idx.path, first, chunk,
+                                            ordinals=tuple(range(ordinal + first, ordinal + first + len(chunk)))))
+            ordinal += len(idx.samples)
         self.total_samples = sum(len(i.samples) for i in self.indexes)
         self.dataset = dataset_fingerprint([idx.path for idx in self.indexes])
         """The shard files this plan was made over (``dataset_fingerprint``), for saved states."""
         self._blend = None  # cfg.blend's draw over self._items, built when an order is first asked for
+        remainder = cfg.remainder or {}
+        if remainder and cfg.blend:
+            raise ValueError("a blend resumes at the data-parallel size it was saved at only")
+        self.first_epoch = int(remainder.get("first_epoch", 0))
+        """The stream's first epoch: 0, or where a resume at another DP size took up the remainder."""
+        self._trained = TrainedSamples.from_state(remainder.get("trained"))
+        self._left: dict[int, list] = {}  # an epoch under way's items, trained samples left out
 
     @property
     def samples_per_item(self) -> float:
         """Mean samples in a work item: fewer than ``cfg.samples_per_item`` where shards are small."""
         return self.total_samples / max(1, len(self._items))
 
-    def items_per_epoch(self, rank: int) -> int:
-        """How many work items this rank gets each epoch, without drawing an order."""
+    def items_per_epoch(self, rank: int, epoch: int | None = None) -> int:
+        """How many work items this rank gets in ``epoch`` (default: a whole epoch)."""
+        if epoch is not None and self.partly_trained(epoch):
+            return len(self.items(epoch, rank))
         if self.cfg.blend:
             return self.blend.items_per_epoch(rank)
         return len(range(rank, len(self._items), self.cfg.dp_size))
@@ -73,9 +87,28 @@ class EpochPlan:
     def items(self, epoch: int, rank: int) -> list:
         """This rank's work items for the epoch, in delivery order."""
         if self.cfg.blend:
-            return self.blend.items(epoch, rank)
+            return [replace(item, epoch=epoch) for item in self.blend.items(epoch, rank)]
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self._items))
-        return [self._items[i] for i in order[rank::self.cfg.dp_size]]
+        if self.partly_trained(epoch):
+            return self._untrained(epoch, order)[rank::self.cfg.dp_size]
+        return [replace(self._items[i], epoch=epoch) for i in order[rank::self.cfg.dp_size]]
+
+    def partly_trained(self, epoch: int) -> bool:
+        """Whether the remainder this stream started from had trained some of ``epoch``."""
+        return epoch in self._trained.epochs()
+
+    def _untrained(self, epoch: int, order: np.ndarray) -> list:
+        """The epoch's items in order, each without the samples the remainder has trained."""
+        if epoch not in self._left:
+            left = []
+            for i in order:
+                item = self._items[i]
+                keep = [j for j, o in enumerate(item.ordinals) if not self._trained.trained(epoch, o)]
+                if keep:
+                    left.append(replace(item, samples=tuple(item.samples[j] for j in keep),
+                                        ordinals=tuple(item.ordinals[j] for j in keep), epoch=epoch))
+            self._left = {epoch: left}  # one epoch under way at a time
+        return self._left[epoch]
 
     def blocks(self, epoch: int, rank: int) -> list[list]:
         """This rank's work items for the epoch, grouped into blocks, in delivery order."""
@@ -84,28 +117,48 @@ class EpochPlan:
         return [mine[i:i + n] for i in range(0, len(mine), n)]
 
     def spanning_blocks(self, rank: int, start_block: int = 0):
-        """(epoch, block, items) from ``start_block`` on, cut from this rank's items of epoch 0, 1, ...
-        laid end to end, so a block may run past the end of an epoch into the next; ``epoch`` is the
-        epoch of the block's first item. Every epoch still holds each item once. An epoch then ends
-        without a part-empty block of its own, which matters when an epoch is only a few blocks."""
+        """(epoch, block, items) from ``start_block`` on, cut from this rank's items of the stream's
+        epochs laid end to end, so a block may run past the end of an epoch into the next; ``epoch``
+        is the epoch of the block's first item. Every epoch still holds each item once. An epoch then
+        ends without a part-empty block of its own, which matters when an epoch is only a few blocks."""
         n = self.cfg.items_per_block
-        per_epoch = self.items_per_epoch(rank)
-        total = None if self.cfg.epochs is None else self.cfg.epochs * per_epoch
+        last = self.cfg.epochs  # the first epoch not streamed (None: none)
+        tail = max(self._trained.epochs(), default=self.first_epoch - 1)  # epochs after it are whole
+        lengths: dict[int, int] = {}
+
+        def length(e: int) -> int:
+            if e not in lengths:
+                lengths[e] = self.items_per_epoch(rank, e)
+            return lengths[e]
+
+        def ended(e: int) -> bool:  # no epoch from e on holds an item for this rank
+            return (last is not None and e >= last) or (e > tail and length(e) == 0)
+
         orders: dict[int, list] = {}  # each epoch's order is drawn once, not once per block
+        epoch, before = self.first_epoch, 0  # the epoch holding item `before`, the first of that epoch
         block = start_block
-        while per_epoch and (total is None or block * n < total):
+        while True:
             first = block * n
-            end = first + n if total is None else min(first + n, total)
-            items, at = [], first
-            while at < end:
-                epoch, offset = divmod(at, per_epoch)
-                if epoch not in orders:
-                    orders[epoch] = self.items(epoch, rank)
-                taken = orders[epoch][offset:offset + end - at]
-                items += taken
-                at += len(taken)
-            yield first // per_epoch, block, items
-            for done in [e for e in orders if e < (end - 1) // per_epoch]:
+            while first >= before + length(epoch):
+                if ended(epoch):
+                    return
+                before += length(epoch)
+                epoch += 1
+            if ended(epoch):
+                return
+            items, e, e_start = [], epoch, before
+            while len(items) < n and not ended(e):
+                if e not in orders:
+                    orders[e] = self.items(e, rank)
+                at = first + len(items) - e_start
+                items += orders[e][at:at + n - len(items)]
+                if first + len(items) - e_start >= length(e):
+                    e_start += length(e)
+                    e += 1
+            if not items:
+                return
+            yield epoch, block, items
+            for done in [d for d in orders if d < epoch]:
                 del orders[done]
             block += 1
 

@@ -33,6 +33,10 @@ class WorkItem:
     shard: str
     first: int  # index of the first sample within the shard
     samples: tuple[SampleIndex, ...]
+    # Where the samples sit in the stream, for the record of what was trained (``datasvc.remainder``):
+    # the epoch the item was drawn for, and each sample's ordinal in the plan (-1: not planned).
+    epoch: int = 0
+    ordinals: tuple[int, ...] = ()
 
     @property
     def item_id(self) -> str:

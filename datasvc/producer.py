@@ -140,6 +140,13 @@ def check_dataset(cfg: ServiceConfig, saved: dict | None) -> None:
         "now, from the saved position (replan_on_dataset_change)", changes)
 
 
+def mark_samples(item: WorkItem, samples: list) -> None:
+    """Give each encoded sample of ``item`` the epoch it was drawn for and its ordinal in the plan."""
+    ordinal = dict(zip((s.key for s in item.samples), item.ordinals))
+    for s in samples:
+        s.epoch, s.ordinal = item.epoch, ordinal.get(s.key, -1)
+
+
 def _top(acct: Accounting, n: int = 3) -> str:
     return ", ".join(f"{reason} x{count}" for reason, count in acct.quarantined.most_common(n)) or "none"
 
@@ -155,8 +162,9 @@ class BlockProducer:
         from datasvc.registry import get_layout
 
         self.cfg, self.rank = cfg, rank
-        self.start = start if isinstance(start, Position) else Position(**start) if start else Position()
         self.plan = plan if plan is not None else EpochPlan(cfg)
+        self.start = (start if isinstance(start, Position) else Position(**start) if start
+                      else Position(epoch=self.plan.first_epoch))
         layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
         self.pad_id, self.spec = layout.pad_id, layout.vision
         if process is None:
@@ -252,6 +260,9 @@ class BlockProducer:
         epoch = self.start.epoch
         while self.cfg.epochs is None or epoch < self.cfg.epochs:
             blocks = self.plan.blocks(epoch, self.rank)
+            if not blocks and self.plan.partly_trained(epoch):
+                epoch += 1  # an epoch the remainder had nearly done: nothing of it left for this rank
+                continue
             if not blocks:
                 raise DataServiceError(
                     f"rank {self.rank} gets no work: {len(self.plan._items)} work items for dp_size="
@@ -311,6 +322,7 @@ class BlockProducer:
         samples = []
         with self._lock:
             for item, r in zip(items, results):
+                mark_samples(item, r.samples)
                 samples.extend(r.samples)
                 self.acct.merge(r.accounting)
                 if self.sources:
