@@ -37,7 +37,10 @@ class DataClient:
     frames_hw=batch.image_frame_hw)`` makes into ``pixel_values``."""
 
     def __init__(self, cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed",
-                 device: str | None = None, output: str = "torch", pixel_dtype: str = "float32"):
+                 device: str | None = None, output: str = "torch", pixel_dtype: str = "float32",
+                 start: dict | None = None):
+        """``start``: the saved state the service started this rank's feeder from
+        (``DataService(restore=...)``); the client takes the stream up there."""
         if not 0 <= dp_rank < cfg.dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {cfg.dp_size})")
         if output not in ("torch", "numpy"):
@@ -58,6 +61,8 @@ class DataClient:
         self.wait_s = 0.0
         self.transfer_s = 0.0
         self.delivered = 0
+        if start:
+            self._take_up(start)
 
     # ---- iterator ---------------------------------------------------------------------------
     def __iter__(self):
@@ -110,9 +115,15 @@ class DataClient:
     def restore_state(self, state: dict) -> None:
         if state.get("dp_rank", self.dp_rank) != self.dp_rank:
             raise DataServiceError(f"state belongs to dp_rank {state.get('dp_rank')}, not {self.dp_rank}")
+        if self._thread is None and not self._halt.is_set() and self._state_after(self._last_pos) == state:
+            return  # its feeder was started at this state (``start``) and nothing was fetched since
         self.close()
         self._halt.clear()
         self._reopen_feeder(state)
+        self._take_up(state)
+
+    def _take_up(self, state: dict) -> None:
+        """Continue from ``state`` on a feeder already started there."""
         self._next_step = state["step"]
         self.trained = TrainedSamples.from_state(state.get("trained"))
         before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
@@ -132,6 +143,8 @@ class DataClient:
         if self._dataset is not None:
             state["dataset"] = self._dataset
         state["trained"] = self.trained.since(pos["epoch"] - KEPT_EPOCHS).to_state()
+        if self.cfg.remainder:  # the stream's origin goes with it, so the next resume rebuilds the same plan
+            state["remainder"] = self.cfg.remainder
         return state
 
     def _reopen_feeder(self, state: dict) -> None:
@@ -280,6 +293,7 @@ class DataClient:
                                             frames_hw=packed.image_frame_hw),
             "image_grid_thw": tensor(packed.image_grid_thw),
             "sample_keys": list(packed.sample_keys),
+            "sample_epochs": [] if packed.sample_epochs is None else packed.sample_epochs.tolist(),
             **self._videos(packed, tensor, dtype),
         }
 
@@ -307,12 +321,13 @@ class DataService:
             raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
         self.cfg = cfg
         self.run = run
+        self.restore = dict(restore or {})
         self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r), (nodes or {}).get(r))
                         for r in range(cfg.dp_size)]
         self._clients: weakref.WeakSet = weakref.WeakSet()
 
     def client(self, dp_rank: int, consumer: int = 0, **kwargs) -> DataClient:
-        client = DataClient(self.cfg, dp_rank, consumer, run=self.run, **kwargs)
+        client = DataClient(self.cfg, dp_rank, consumer, run=self.run, start=self.restore.get(dp_rank), **kwargs)
         self._clients.add(client)
         return client
 

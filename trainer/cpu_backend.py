@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 from datasvc.batch import IGNORE_INDEX, vision_patches
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
+from trainer.checkpoint import commit, load_cpu, save_cpu
+from trainer.config import TrainerConfig
 from trainer.rank_spread import gather_rank_spread
 
 log = logging.getLogger("vlmfeed.trainer.cpu")
@@ -104,71 +109,190 @@ def all_reduce_grads(model) -> None:
         offset += n
 
 
-def train(data_iter, *, steps: int, grad_accum: int, lr: float, seed: int, metrics_path: str | None,
-          rank: int, world: int, model_cfg: CpuModelConfig = CpuModelConfig()) -> list[dict]:
-    if rank == 0:
+@dataclass(kw_only=True)
+class CpuRank:
+    """Where one CPU rank sits and what it reports: its place, where its loss and samples are written
+    (rank 0), the step a resume starts at, and how it learns that the run should stop."""
+
+    rank: int
+    world: int
+    dp_rank: int
+    grad_accum: int
+    metrics_path: str | None = None
+    samples_path: str | None = None
+    resume_step: int = 0
+    stop_requested: Callable[[], str] = lambda: ""  # a reason ("SIGTERM"), or "" to go on
+
+
+def build(cfg: TrainerConfig, model_cfg: CpuModelConfig):
+    """The model (from ``--hf-path`` when given, else the development config), its optimizer, and
+    warm-up plus cosine decay to ``min_lr``, as the Megatron backend schedules it."""
+    t = cfg.train
+    if cfg.model.hf_path:
+        from transformers import Qwen3VLMoeForConditionalGeneration
+
+        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
+        model.config._attn_implementation = "sdpa"
+    else:
+        model = build_model(model_cfg, t.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=0.0)
+
+    def factor(step: int) -> float:
+        if step < t.warmup_iters:
+            return (step + 1) / (t.warmup_iters + 1)
+        progress = min(1.0, (step - t.warmup_iters) / max(1, t.train_iters - t.warmup_iters))
+        return (t.min_lr + (t.lr - t.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))) / t.lr
+
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def train(cfg: TrainerConfig, data_iter, me: CpuRank, *, valid_iter=None, loader=None,
+          model_cfg: CpuModelConfig = CpuModelConfig()) -> list[dict]:
+    """Train on this rank from ``me.resume_step`` to ``cfg.train.train_iters``, saving, validating and
+    stopping as ``cfg.checkpoint`` and ``cfg.eval`` say. ``loader``: this DP rank's client when this
+    rank saves its loader state (the first consumer of each replica)."""
+    if me.rank == 0:
         log.warning("CPU development path: tiny transformers Qwen3-VL MoE on gloo; not a performance run")
-    model = build_model(model_cfg, seed)
+    ck = cfg.checkpoint
+    model, opt, sched = build(cfg, model_cfg)
+    if me.resume_step:
+        load_cpu(ck.load, me.resume_step, rank=me.rank, model=model, optimizer=opt, scheduler=sched)
+        if me.rank == 0:
+            log.info("resumed from %s at step %d", ck.load, me.resume_step)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     records = []
-    sink = open(metrics_path, "a") if (metrics_path and rank == 0) else None
-    for step in range(steps):
-        t0 = time.perf_counter()
-        wait0 = data_iter.wait_s
-        loss_sum, n_tok, real, total = torch.zeros(()), 0, 0, 0
-        opt.zero_grad(set_to_none=True)
-        micro = []
-        for _ in range(grad_accum):
-            batch = next(data_iter)
-            micro.append(batch)
-            real += int(batch["cu_seqlens"][torch.arange(len(batch["num_samples"])), batch["num_samples"].long()].sum())
-            total += batch["tokens"].numel()
-        # Normalize by supervised tokens across the whole global batch, as Megatron's per-token loss does.
-        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
-        global_tokens = torch.tensor([local_tokens], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(global_tokens)
-        # This rank's own work: between the last collective before it and the gradient all-reduce,
-        # so neither data wait nor waiting for the other ranks is in it.
-        c0 = time.perf_counter()
-        for batch in micro:
-            for sample in split_samples(batch):
-                loss, n = sample_loss(model, sample)
-                (loss / global_tokens.item()).backward()
-                loss_sum += loss.detach()
-                n_tok += n
-        compute_s = time.perf_counter() - c0
-        if world > 1:
-            all_reduce_grads(model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        stats = torch.tensor([float(loss_sum), n_tok, real, total], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(stats)
-        gathered = gather_rank_spread(compute_s, sum(vision_patches(b) for b in micro))
-        spread = {"rank_compute_s": gathered.seconds, "rank_vision_patches": gathered.vision_patches,
-                  "straggler_ratio": gathered.straggler_ratio}
-        dt = time.perf_counter() - t0
-        waited = data_iter.wait_s - wait0
-        rec = {
-            "step": step + 1, "backend": "cpu", "loss": float(stats[0] / max(stats[1], 1)),
-            "step_time_s": round(dt, 4), "data_wait_s": round(waited, 4), "data_wait_share": round(waited / dt, 4),
-            "tokens_per_s": round(float(stats[2]) / dt, 1), "real_token_fraction": round(float(stats[2] / stats[3]), 4),
-            # 6 * params * tokens: a rough count for a dense model of this size (CPU path only)
-            "tflops_per_gpu_estimate": round(6 * n_params * float(stats[2]) / world / dt / 1e12, 6),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            **spread,
-        }
+    sink = open(me.metrics_path, "a") if (me.metrics_path and me.rank == 0) else None
+    samples = open(me.samples_path, "a") if (me.samples_path and me.rank == 0) else None
+    began = time.monotonic()
+    step = me.resume_step
+    while step < cfg.train.train_iters:
+        rec, keys = _train_step(model, opt, data_iter, me, step, n_params)
+        sched.step()
+        step += 1
+        if valid_iter is not None and cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0:
+            rec["val_loss"] = validate(model, valid_iter, me, cfg.eval.eval_iters)
+        reason = _agreed_stop(cfg, me, step, began)
+        if ck.save and (reason or step == cfg.train.train_iters or (ck.save_interval and step % ck.save_interval == 0)):
+            t0 = time.perf_counter()
+            save_cpu(ck.save, step, rank=me.rank, dp_rank=me.dp_rank, model=model, optimizer=opt, scheduler=sched,
+                     loader_state=loader.save_state() if loader is not None else None)
+            if me.world > 1:
+                dist.barrier()
+            if me.rank == 0:
+                commit(ck.save, step, ck.keep_last)
+            rec["checkpoint_s"] = round(time.perf_counter() - t0, 3)
+        if reason:
+            rec["exit_reason"] = reason
         records.append(rec)
-        if rank == 0:
+        if me.rank == 0:
             _log_step(rec)
             if sink:
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
-    if sink:
-        sink.close()
+            if samples:
+                samples.write(json.dumps({"step": rec["step"], "samples": keys}) + "\n")
+                samples.flush()
+        if reason:
+            if me.rank == 0:
+                log.warning("stopping after step %d (%s)%s", step, reason, f"; saved to {ck.save}" if ck.save else "")
+            break
+    if ck.export_hf and me.rank == 0:
+        model.save_pretrained(ck.export_hf)
+        log.info("Hugging Face checkpoint written to %s", ck.export_hf)
+    for f in (sink, samples):
+        if f:
+            f.close()
     return records
+
+
+def _train_step(model, opt, data_iter, me: CpuRank, step: int, n_params: int) -> tuple[dict, list]:
+    """One optimizer step over ``me.grad_accum`` micro-batches: its record, and every DP rank's
+    [sample key, epoch] pairs in the order trained (rank 0; the others get an empty list)."""
+    t0 = time.perf_counter()
+    wait0 = data_iter.wait_s
+    loss_sum, n_tok, real, total = torch.zeros(()), 0, 0, 0
+    opt.zero_grad(set_to_none=True)
+    micro = []
+    for _ in range(me.grad_accum):
+        batch = next(data_iter)
+        micro.append(batch)
+        real += int(batch["cu_seqlens"][torch.arange(len(batch["num_samples"])), batch["num_samples"].long()].sum())
+        total += batch["tokens"].numel()
+    # Normalize by supervised tokens across the whole global batch, as Megatron's per-token loss does.
+    local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
+    global_tokens = torch.tensor([local_tokens], dtype=torch.float64)
+    if me.world > 1:
+        dist.all_reduce(global_tokens)
+    # This rank's own work: between the last collective before it and the gradient all-reduce,
+    # so neither data wait nor waiting for the other ranks is in it.
+    c0 = time.perf_counter()
+    for batch in micro:
+        for sample in split_samples(batch):
+            loss, n = sample_loss(model, sample)
+            (loss / global_tokens.item()).backward()
+            loss_sum += loss.detach()
+            n_tok += n
+    compute_s = time.perf_counter() - c0
+    if me.world > 1:
+        all_reduce_grads(model)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    stats = torch.tensor([float(loss_sum), n_tok, real, total], dtype=torch.float64)
+    if me.world > 1:
+        dist.all_reduce(stats)
+    gathered = gather_rank_spread(compute_s, sum(vision_patches(b) for b in micro))
+    keys = [[k, e] for b in micro for k, e in zip(b["sample_keys"], b["sample_epochs"])]
+    if me.world > 1:
+        every = [None] * me.world
+        dist.all_gather_object(every, keys)
+        keys = [k for rank_keys in every for k in rank_keys]
+    dt = time.perf_counter() - t0
+    waited = data_iter.wait_s - wait0
+    rec = {
+        "step": step + 1, "backend": "cpu", "loss": float(stats[0] / max(stats[1], 1)),
+        "lr": opt.param_groups[0]["lr"],
+        "step_time_s": round(dt, 4), "data_wait_s": round(waited, 4), "data_wait_share": round(waited / dt, 4),
+        "tokens_per_s": round(float(stats[2]) / dt, 1), "real_token_fraction": round(float(stats[2] / stats[3]), 4),
+        # 6 * params * tokens: a rough count for a dense model of this size (CPU path only)
+        "tflops_per_gpu_estimate": round(6 * n_params * float(stats[2]) / me.world / dt / 1e12, 6),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "rank_compute_s": gathered.seconds, "rank_vision_patches": gathered.vision_patches,
+        "straggler_ratio": gathered.straggler_ratio,
+    }
+    return rec, keys if me.rank == 0 else []
+
+
+@torch.no_grad()
+def validate(model, valid_iter, me: CpuRank, global_batches: int) -> float:
+    """Loss per supervised token over ``global_batches`` global batches of the validation stream."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for _ in range(global_batches * me.grad_accum):
+        for sample in split_samples(next(valid_iter)):
+            loss, n = sample_loss(model, sample)
+            total += torch.tensor([float(loss), n], dtype=torch.float64)
+    model.train()
+    if me.world > 1:
+        dist.all_reduce(total)
+    return float(total[0] / max(total[1], 1))
+
+
+def _agreed_stop(cfg: TrainerConfig, me: CpuRank, step: int, began: float) -> str:
+    """Why the run stops after ``step`` (a SIGTERM, --exit-interval, --exit-duration-in-mins), the
+    same on every rank, or ""."""
+    ck = cfg.checkpoint
+    reason = ""
+    if ck.exit_interval and step % ck.exit_interval == 0 and step < cfg.train.train_iters:
+        reason = "exit_interval"
+    elif ck.exit_duration_in_mins and time.monotonic() - began >= 60 * ck.exit_duration_in_mins:
+        reason = "exit_duration_in_mins"
+    elif me.rank == 0:
+        reason = me.stop_requested()
+    if me.world > 1:  # rank 0's view of the signal, and the step-count rules every rank computes alike
+        box = [reason]
+        dist.broadcast_object_list(box, src=0)
+        reason = box[0]
+    return reason
 
 
 def _log_step(rec: dict) -> None:

@@ -8,11 +8,17 @@ the data service's statistics. ``rank_main`` is what each trainer actor runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
+
+import ray
 
 from datasvc.config import ServiceConfig
 from datasvc.filters import add_filter_flags, filters_from_flags
@@ -33,13 +39,17 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="auto: megatron when the cluster has GPUs, else the CPU development path")
     g.add_argument("--world-size", type=int, default=None, help="trainer ranks (default: all GPUs; 2 on CPU)")
     g.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
-    g.add_argument("--out", default="out/run", help="directory for metrics.jsonl and summary.json")
+    g.add_argument("--out", default=None, help="directory for metrics.jsonl, summary.json and loss.png (default: "
+                   "out/run; under `ray job submit`, ~/vlmfeed-runs/<job>, outside Ray's copy of the package)")
     g = p.add_argument_group("data")
     g.add_argument("--shards", nargs="+", default=None,
                    help="WebDataset shards: paths, globs, brace patterns, s3:// URLs, or an Energon dataset "
                         "DIR[:SPLIT] (default: bundled real photos)")
     g.add_argument("--blend", default="",
                    help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file (instead of --shards)")
+    g.add_argument("--valid-shards", nargs="+", default=None,
+                   help="validation shards (the same forms as --shards), streamed by their own feeders, never "
+                        "trained on; evaluated every --eval-interval steps")
     add_filter_flags(g)
     g.add_argument("--balance-dp", action="store_true",
                    help="deal each optimizer step's micro-batches across DP ranks by predicted cost, so no rank "
@@ -92,6 +102,12 @@ class Job:
     run: str  # names this run's data service actors
     block_sizing: dict | None = None  # how size_blocks chose items_per_block, when it did
     loopback: bool = False  # the embedded single-host cluster: ranks rendezvous on 127.0.0.1 only
+    resume: Resume | None = None  # the checkpoint this run takes up, when --load found one
+    valid_cfg: ServiceConfig | None = None  # the validation stream's config, with --valid-shards
+
+    @property
+    def samples_path(self) -> str:
+        return os.path.join(os.path.dirname(self.metrics_path), "samples.jsonl")
 
     @property
     def dp(self) -> int:
@@ -102,7 +118,24 @@ class Job:
         out = {"items_per_block": self.data_cfg.items_per_block, "chain_blocks": self.data_cfg.chain_blocks}
         if self.block_sizing:
             out["block_sizing"] = self.block_sizing
+        if self.resume:
+            out["resumed"] = self.resume.describe()
         return out
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run takes up: its step, and how the data streams continue from it."""
+
+    root: str
+    step: int
+    saved_dp: int
+    loader: dict[int, dict]  # each DP rank's saved state, when the DP size is unchanged (exact resume)
+    redealt: bool  # the DP size changed: what was left of the epoch is dealt over the new ranks
+
+    def describe(self) -> dict:
+        return {"from": self.root, "step": self.step, "saved_dp": self.saved_dp, "redealt": self.redealt}
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,6 +145,7 @@ def build_job(args: argparse.Namespace) -> Job:
     from trainer.plan.gate import plan_gate_cluster, plan_gate_declared
 
     check_args(args)
+    resolve_outputs(args)
     plan_gate_declared(args)  # a job that declares its GPUs and cannot fit stops before Ray starts
     gpus, loopback = connect_cluster(args)
     backend = args.backend if args.backend != "auto" else ("megatron" if gpus else "cpu")
@@ -125,13 +159,41 @@ def build_job(args: argparse.Namespace) -> Job:
     check_cpus(args, world, dp)
     gpu_per_rank, decode_share = gpu_shares(args.decode, backend, world, dp, args.data_actors[1])
     data_cfg, sizing = data_config(args, cfg, backend, world, decode_share)
+    data_cfg, resume = resume_from(cfg, data_cfg)
+    valid_cfg = None
+    if args.valid_shards:
+        valid_cfg = dataclasses.replace(data_cfg, shards=tuple(args.valid_shards), blend="", remainder=None,
+                                        balance_dp=False, sizes_index="", min_actors=1, max_actors=1)
     os.makedirs(args.out, exist_ok=True)
     metrics = os.path.abspath(os.path.join(args.out, "metrics.jsonl"))
-    if os.path.exists(metrics):
-        os.remove(metrics)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(args.out, name)
+        if os.path.exists(path) and not resume:  # a resumed run appends to the records it continues
+            os.remove(path)
     return Job(backend=backend, world=world, cfg=cfg, data_cfg=data_cfg, gpu_per_rank=gpu_per_rank, out=args.out,
                metrics_path=metrics, run=f"vlmfeed-{uuid.uuid4().hex[:8]}",
-               block_sizing=sizing.as_dict() if sizing else None, loopback=loopback)
+               block_sizing=sizing.as_dict() if sizing else None, loopback=loopback, resume=resume,
+               valid_cfg=valid_cfg)
+
+
+def resolve_outputs(args: argparse.Namespace) -> None:
+    """Where the run writes. Under ``ray job submit`` the working directory is Ray's temporary copy
+    of the package, deleted with the cluster: a relative path there would vanish with the results, so
+    the default goes to ~/vlmfeed-runs/<job> (printed) and a relative path given is refused."""
+    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")) or "runtime_resources" in os.getcwd()
+    if args.out is None:
+        if in_job:
+            job = os.environ.get("RAY_SUBMISSION_ID") or time.strftime("%Y%m%d-%H%M%S")
+            args.out = os.path.join(os.path.expanduser("~"), "vlmfeed-runs", job)
+            log.info("outputs go to %s (a Ray job's working directory is deleted with the cluster)", args.out)
+        else:
+            args.out = os.path.join("out", "run")
+    for flag in ("out", "save", "load", "export_hf"):
+        path = getattr(args, flag)
+        if in_job and path and "://" not in path and not os.path.isabs(path):
+            raise SystemExit(f"--{flag.replace('_', '-')} {path} is relative, so under `ray job submit` it would land in "
+                             "Ray's temporary copy of the package and be deleted with the cluster; give an absolute "
+                             "path on shared storage (or an s3:// URL)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -143,6 +205,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.block_micro_batches < 1 or args.chain_blocks < 1 or (
             args.items_per_block is not None and args.items_per_block < 1):
         raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
+    if args.save and "://" in args.save and args.backend == "megatron":
+        raise SystemExit("--save with Megatron-Bridge needs a filesystem path (local or shared); s3:// URLs are "
+                         "supported on the CPU path only")
     if (args.video_fps is not None and args.video_fps <= 0) or (
             args.video_max_pixels is not None and args.video_max_pixels <= 0):
         raise SystemExit("--video-fps and --video-max-pixels must be > 0 (leave them out for the pipeline's own)")
@@ -159,7 +224,8 @@ def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
 
     # Logical CPUs of an embedded cluster: enough for the trainer ranks plus the smallest data pools
     # (they oversubscribe a small dev box, which is what a development run wants).
-    want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + args.data_actors[0] * args.decode_threads))
+    actors = args.data_actors[0] + (1 if args.valid_shards else 0)  # the validation stream's one actor a DP rank
+    want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + actors * args.decode_threads))
     connect(args.address, num_cpus=want_cpus)
     loopback = embedded and ray.util.get_node_ip_address() == "127.0.0.1"
     return int(ray.cluster_resources().get("GPU", 0)), loopback
@@ -179,6 +245,10 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
         p = cfg.parallel
         if (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
             raise SystemExit("the CPU path is data-parallel only: drop --tp/--pp/--cp/--ep or use --backend megatron")
+        from trainer.config import check_long_run
+
+        if problems := check_long_run(cfg):
+            raise SystemExit("; ".join(problems))
     dp = cfg.data_parallel_size(world)
     if "--gbs" not in args._given:
         cfg.train.gbs = cfg.train.mbs * dp
@@ -191,11 +261,12 @@ def check_cpus(args: argparse.Namespace, world: int, dp: int) -> None:
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 0)
-    need = world + dp * args.data_actors[0] * args.decode_threads
+    actors = args.data_actors[0] + (1 if args.valid_shards else 0)  # the validation stream's one actor a DP rank
+    need = world + dp * actors * args.decode_threads
     if cpus < need:
-        raise SystemExit(f"the cluster has {cpus:g} CPUs; {world} trainer ranks plus {dp} x {args.data_actors[0]} "
+        raise SystemExit(f"the cluster has {cpus:g} CPUs; {world} trainer ranks plus {dp} x {actors} "
                          f"preprocessing actors x {args.decode_threads} threads need {need}: lower --data-actors "
-                         f"MIN or --decode-threads, or add nodes")
+                         f"MIN or --decode-threads, drop --valid-shards, or add nodes")
 
 
 def gpu_shares(decode: str, backend: str, world: int, dp: int, max_actors: int) -> tuple[float, float]:
@@ -255,6 +326,47 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
     return data_cfg, sizing
 
 
+def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceConfig, Resume | None]:
+    """With ``--load``: the data config that continues the checkpoint's stream, and what is resumed.
+    At the DP size it was saved at, every rank continues its own stream exactly; at another, what was
+    left of the epoch is dealt over the new ranks (``datasvc.remainder``)."""
+    from datasvc.producer import DataServiceError, check_dataset
+    from datasvc.remainder import remainder_after
+    from trainer.checkpoint import read_saved_run
+
+    load = cfg.checkpoint.load
+    saved = read_saved_run(load) if load else None
+    if saved is None:
+        if load:
+            log.info("no checkpoint in %s yet: starting afresh", load)
+        return data_cfg, None
+    if saved.step >= cfg.train.train_iters:
+        raise SystemExit(f"the checkpoint in {load} is at step {saved.step}, which --train-iters "
+                         f"{cfg.train.train_iters} has reached; raise --train-iters to train on")
+    try:
+        check_dataset(data_cfg, next(iter(saved.loader.values())).get("dataset"))
+    except DataServiceError as exc:
+        raise SystemExit(str(exc)) from None
+    if saved.dp_size == data_cfg.dp_size:
+        data_cfg = dataclasses.replace(data_cfg, remainder=saved.remainder)
+        if any(st.get("fingerprint") != data_cfg.fingerprint() for st in saved.loader.values()):
+            raise SystemExit(f"the checkpoint in {load} was trained on other data settings (shards, seed, --seq-len, "
+                             "--mbs, --max-pixels, blocks, --balance-dp...); resume with the settings it was saved with")
+        return data_cfg, Resume(load, saved.step, saved.dp_size, saved.loader, redealt=False)
+    try:
+        remainder = remainder_after(list(saved.loader.values()), saved.remainder)
+        data_cfg = dataclasses.replace(data_cfg, remainder=remainder)
+        from datasvc.plan import EpochPlan
+
+        EpochPlan(data_cfg)  # a blend cannot be dealt anew: say so now, not in a feeder
+    except ValueError as exc:
+        raise SystemExit(f"cannot resume {load} at DP {data_cfg.dp_size}: {exc}") from None
+    log.info("resuming step %d at DP %d from a checkpoint saved at DP %d: the samples left of epoch %d on are dealt "
+             "over the new ranks, each trained once", saved.step, data_cfg.dp_size, saved.dp_size,
+             remainder["first_epoch"])
+    return data_cfg, Resume(load, saved.step, saved.dp_size, {}, redealt=True)
+
+
 def balance_cost(cfg: TrainerConfig) -> dict:
     """The cost model the feeders deal micro-batches with: fitted on the nearest setting, at this
     model's FLOPs (``pipelines.qwen3vl.cost``)."""
@@ -278,7 +390,9 @@ def rank_env(expandable_segments: bool) -> dict[str, str]:
 
 
 def launch(job: Job) -> tuple[list[dict], dict, float]:
-    """Run the job: (the reporting rank's step records, the data service's stats, wall seconds)."""
+    """Run the job: (the reporting rank's step records, the data service's stats, wall seconds).
+    A SIGTERM to this process (what Slurm, Kubernetes and ``ray job stop`` send) asks the ranks to
+    save at the next step boundary and stop; the run then ends normally."""
     from datasvc.client import DataService
     from trainer.workers import RankLayout, WorkerGroup
 
@@ -288,22 +402,63 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
     # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
     group = WorkerGroup(world, use_gpu=job.backend == "megatron", gpu_per_rank=job.gpu_per_rank,
                         env=rank_env(cfg.train.expandable_segments), loopback=job.loopback)
+    services = []
     try:  # each DP rank's feeder and actors on the node of its ranks, so batches stay on the node
-        service = DataService(job.data_cfg, run=job.run, nodes=data_nodes(job, group.node_ids))
+        restore = job.resume.loader if job.resume else None
+        services.append(DataService(job.data_cfg, run=job.run, nodes=data_nodes(job, group.node_ids), restore=restore))
+        if job.valid_cfg is not None:
+            services.append(DataService(job.valid_cfg, run=f"{job.run}-valid", nodes=data_nodes(job, group.node_ids)))
+        control = RunControl.options(name=f"{job.run}-control").remote()
     except BaseException:
         group.shutdown()
+        for svc in services:
+            svc.shutdown()
         raise
     t0 = time.time()
     try:
-        per_rank = [(job.backend, cfg, job.data_cfg, job.run,
-                     RankLayout(r, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp), job.metrics_path)
-                    for r in range(world)]
-        results = group.run_all(rank_main, per_rank)
-        data_stats = service.stats()
+        with stop_on_sigterm(control):
+            per_rank = [(job, RankLayout(r, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp))
+                        for r in range(world)]
+            results = group.run_all(rank_main, per_rank)
+        data_stats = services[0].stats()
     finally:
         group.shutdown()
-        service.shutdown()
+        for svc in services:
+            svc.shutdown()
+        ray.kill(control)
     return next((r for r in results if r), []), data_stats, time.time() - t0
+
+
+@ray.remote(num_cpus=0)
+class RunControl:
+    """Carries a stop request from the driver to the ranks, which poll it once a step."""
+
+    def __init__(self):
+        self.reason = ""
+
+    def request_stop(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def stop_reason(self) -> str:
+        return self.reason
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(control):
+    """While the ranks train, a SIGTERM asks them to save and stop at the next step boundary."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ask(signum, frame):
+        log.warning("SIGTERM: the ranks save at the next step boundary and stop")
+        control.request_stop.remote("SIGTERM")
+
+    before = signal.signal(signal.SIGTERM, ask)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def data_nodes(job: Job, rank_nodes: list[str]) -> dict[int, str]:
@@ -316,38 +471,52 @@ def data_nodes(job: Job, rank_nodes: list[str]) -> dict[int, str]:
     return replica_nodes(rank_nodes, dp_ranks)
 
 
-def rank_main(backend, cfg, data_cfg, run, layout, metrics_path):
+def rank_main(job: Job, layout):
     """Runs inside each trainer actor; the rank that reports (the last on Megatron, where the loss
     lives; rank 0 on CPU) returns its step records, the others an empty list."""
     from datasvc.client import DataClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if backend == "megatron":
-        from trainer.megatron.loop import train
+    start = job.resume.loader.get(layout.dp_rank) if job.resume else None
+    if job.backend == "megatron":
+        from trainer.megatron.loop import MegatronRank, train
 
         last = layout.rank == layout.world - 1
-        client = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run, device="cuda:0")
-        records = train(cfg, client, metrics_path if last else None, world_size=layout.world)
+        client = DataClient(job.data_cfg, layout.dp_rank, layout.consumer, run=job.run, device="cuda:0", start=start)
+        valid = (DataClient(job.valid_cfg, layout.dp_rank, layout.consumer, run=f"{job.run}-valid", device="cuda:0")
+                 if job.valid_cfg is not None else None)
+        me = MegatronRank(metrics_sink=job.metrics_path if last else None, samples_path=job.samples_path if last else None,
+                          control=f"{job.run}-control", redealt=bool(job.resume and job.resume.redealt),
+                          out=job.out)
+        records = train(job.cfg, client, me, world_size=layout.world, valid_iterator=valid)
         return records if last else []
-    return _cpu_rank(cfg, data_cfg, run, layout, metrics_path)
+    return _cpu_rank(job, layout, start)
 
 
-def _cpu_rank(cfg, data_cfg, run, layout, metrics_path):
+def _cpu_rank(job: Job, layout, start: dict | None):
     import torch
     import torch.distributed as dist
 
     from datasvc.client import DataClient
-    from trainer.cpu_backend import train as cpu_train
+    from trainer.cpu_backend import CpuRank, train as cpu_train
     from trainer.rendezvous import init_distributed
 
     torch.set_num_threads(1)
     init_distributed("gloo")
+    cfg = job.cfg
     try:
-        client = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run)
-        grad_accum = cfg.train.gbs // (cfg.train.mbs * layout.dp_size)
-        records = cpu_train(client, steps=cfg.train.train_iters, grad_accum=grad_accum, lr=cfg.train.lr,
-                            seed=cfg.train.seed, metrics_path=metrics_path, rank=layout.rank, world=layout.world)
+        client = DataClient(job.data_cfg, layout.dp_rank, layout.consumer, run=job.run, start=start)
+        valid = (DataClient(job.valid_cfg, layout.dp_rank, layout.consumer, run=f"{job.run}-valid")
+                 if job.valid_cfg is not None else None)
+        control = ray.get_actor(f"{job.run}-control")
+        me = CpuRank(rank=layout.rank, world=layout.world, dp_rank=layout.dp_rank,
+                     grad_accum=cfg.train.gbs // (cfg.train.mbs * layout.dp_size), metrics_path=job.metrics_path,
+                     samples_path=job.samples_path, resume_step=job.resume.step if job.resume else 0,
+                     stop_requested=lambda: ray.get(control.stop_reason.remote()))
+        records = cpu_train(cfg, client, me, valid_iter=valid, loader=client if layout.consumer == 0 else None)
         client.close()
+        if valid is not None:
+            valid.close()
     finally:
         dist.destroy_process_group()
     return records if layout.rank == 0 else []

@@ -14,6 +14,7 @@ import sys
 
 from trainer.config import add_cli_args
 from trainer.job import add_job_args, build_job, launch
+from trainer.report import draw_run, written
 from trainer.summary import summarize
 
 log = logging.getLogger("vlmfeed.run")
@@ -38,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {**summarize(records, data_stats, job.backend, job.world, wall_s), **job.describe()}
     with open(os.path.join(job.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    draw_run(job.metrics_path, os.path.join(job.out, "loss.png"))
     print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=2))
+    ck = job.cfg.checkpoint
+    print("wrote:\n  " + "\n  ".join(os.path.abspath(p) if "://" not in p else p
+                                     for p in written(job.out, ck.save, ck.export_hf)))
     if not summary["loss_finite"]:
         log.error("loss is not finite")
         return 1

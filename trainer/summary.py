@@ -38,6 +38,10 @@ def summarize(records: list[dict], data_stats: dict, backend: str, world: int, w
         "tflops_per_gpu": rnd(mean("tflops_per_gpu", "tflops_per_gpu_estimate"), 3),
         # max / mean over DP ranks of their own compute (None with one DP rank): what the step waits for.
         "straggler_ratio": rnd(mean("straggler_ratio")),
+        "val_loss_last": next((r["val_loss"] for r in reversed(records) if r.get("val_loss") is not None), None),
+        "first_step": records[0]["step"] if records else None,
+        "last_step": records[-1]["step"] if records else None,
+        "exit_reason": records[-1].get("exit_reason") if records else None,
         "peak_mem_gib": rnd(max((r.get("peak_mem_gib") or 0 for r in records), default=None), 2),
         "data_accounting": data_stats.get("accounting", {}),
         "autoscale_decisions": [d for r in data_stats.get("ranks", []) for d in r.get("autoscale_decisions", [])],

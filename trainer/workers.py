@@ -119,8 +119,15 @@ class WorkerGroup:
         self.world = world
 
     def run_all(self, fn, per_rank_args: list[tuple]) -> list:
-        """All ranks at once (collectives need every rank inside ``fn`` together)."""
-        return ray.get([a.run.remote(fn, *args) for a, args in zip(self.actors, per_rank_args)])
+        """All ranks at once (collectives need every rank inside ``fn`` together). Waits in short
+        slices, so the driver's signal handlers run while the ranks train."""
+        refs = [a.run.remote(fn, *args) for a, args in zip(self.actors, per_rank_args)]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                ray.get(ref)  # a rank that failed fails the job at once, not when the rest finish
+        return ray.get(refs)
 
     def shutdown(self) -> None:
         for a in self.actors:
