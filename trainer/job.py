@@ -162,8 +162,10 @@ def build_job(args: argparse.Namespace) -> Job:
     data_cfg, resume = resume_from(cfg, data_cfg)
     valid_cfg = None
     if args.valid_shards:
+        # Small items, so that a small validation set still gives every DP rank some.
         valid_cfg = dataclasses.replace(data_cfg, shards=tuple(args.valid_shards), blend="", remainder=None,
-                                        balance_dp=False, sizes_index="", min_actors=1, max_actors=1)
+                                        balance_dp=False, sizes_index="", min_actors=1, max_actors=1,
+                                        samples_per_item=min(4, data_cfg.samples_per_item))
     os.makedirs(args.out, exist_ok=True)
     metrics = os.path.abspath(os.path.join(args.out, "metrics.jsonl"))
     for name in ("metrics.jsonl", "samples.jsonl"):
@@ -486,7 +488,8 @@ def rank_main(job: Job, layout):
         valid = (DataClient(job.valid_cfg, layout.dp_rank, layout.consumer, run=f"{job.run}-valid", device="cuda:0")
                  if job.valid_cfg is not None else None)
         me = MegatronRank(metrics_sink=job.metrics_path if last else None, samples_path=job.samples_path if last else None,
-                          control=f"{job.run}-control", redealt=bool(job.resume and job.resume.redealt),
+                          control=f"{job.run}-control", resume=job.resume is not None,
+                          redealt=bool(job.resume and job.resume.redealt),
                           out=job.out)
         records = train(job.cfg, client, me, world_size=layout.world, valid_iterator=valid)
         return records if last else []

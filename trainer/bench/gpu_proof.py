@@ -257,7 +257,7 @@ def _judge(packed: list[float], alone: list[float], crossing: list[float], atol:
 def train_synthetic(strategy: str, steps: int, mbs: int, seq_len: int, num_layers: int, num_experts: int,
                     metrics_path: str | None, extra: list[str]) -> dict:
     from trainer.config import add_cli_args, from_args
-    from trainer.megatron.loop import train
+    from trainer.megatron.loop import MegatronRank, train
 
     _single_process_env()
     args = add_cli_args(argparse.ArgumentParser()).parse_args(
@@ -265,7 +265,7 @@ def train_synthetic(strategy: str, steps: int, mbs: int, seq_len: int, num_layer
          "--train-iters", str(steps), "--num-layers", str(num_layers), "--num-experts", str(num_experts),
          "--warmup-iters", "2", "--lr", "3e-4", *extra])
     cfg = from_args(args)
-    records = train(cfg, SyntheticRows(mbs, seq_len), metrics_path)
+    records = train(cfg, SyntheticRows(mbs, seq_len), MegatronRank(metrics_sink=metrics_path))
     losses = [r["loss"] for r in records if r["loss"] is not None]
     window = records[len(records) // 2:] or records
     return {

@@ -85,7 +85,7 @@ def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str,
     """Inside each trainer actor: open the path for this rank, train, return (records, samples)."""
     import logging
 
-    from trainer.megatron.loop import train
+    from trainer.megatron.loop import MegatronRank, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     dp = layout.dp_size
@@ -105,7 +105,7 @@ def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str,
         inner = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run, device="cuda:0")
     counted = Counted(inner)
     last = layout.rank == layout.world - 1
-    records = train(cfg, counted, metrics_path if last else None, world_size=layout.world)
+    records = train(cfg, counted, MegatronRank(metrics_sink=metrics_path if last else None), world_size=layout.world)
     return (records if last else []), counted.samples
 
 

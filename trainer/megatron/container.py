@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +34,17 @@ from trainer.vision_chunks import chunk_vision_hook
 # ------------------------------------------------------------------------------------------------
 # The model provider
 # ------------------------------------------------------------------------------------------------
-def build_provider(cfg: TrainerConfig):
+def build_bridge(cfg: TrainerConfig) -> AutoBridge:
+    """The Hugging Face <-> Megatron bridge: from ``--hf-path`` when given, else from the preset's config."""
+    if cfg.model.hf_path:
+        return AutoBridge.from_hf_pretrained(cfg.model.hf_path)
+    return AutoBridge.from_hf_config(hf_config(cfg.model.arch()))
+
+
+def build_provider(cfg: TrainerConfig, bridge: AutoBridge | None = None):
     """The Qwen3-VL MoE model provider (``Qwen3VLMoEModelProvider``) with every model-side knob set."""
     m, t = cfg.model, cfg.train
-    if m.hf_path:
-        provider = AutoBridge.from_hf_pretrained(m.hf_path).to_megatron_provider(load_weights=True)
-    else:
-        provider = AutoBridge.from_hf_config(hf_config(m.arch())).to_megatron_provider(load_weights=False)
+    provider = (bridge or build_bridge(cfg)).to_megatron_provider(load_weights=bool(m.hf_path))
     _set_parallel(provider, cfg)
     provider.seq_length = t.seq_len
     # The provider's defaults freeze both towers (a PEFT-style default); ours train everything unless asked.
@@ -140,9 +145,13 @@ class ExternalDataProvider(DatasetProvider):
     seq_length: int = 4096  # read by a few Bridge helpers that look at cfg.dataset.seq_length
     skip_getting_attention_mask_from_dataset: bool = True  # stock qwen3_vl_step reads it
 
-    # The iterator is a runtime object, kept off the dataclass fields so the config stays printable.
-    def attach(self, iterator: TimedIterator | None) -> "ExternalDataProvider":
+    # Where Bridge reads the loader states from on resume; None: beside the checkpoint it loads.
+    dataloader_load: str | None = None
+
+    # The iterators are runtime objects, kept off the dataclass fields so the config stays printable.
+    def attach(self, iterator: TimedIterator | None, valid=None) -> "ExternalDataProvider":
         object.__setattr__(self, "_iterator", iterator)
+        object.__setattr__(self, "_valid", valid)
         return self
 
     @property
@@ -152,24 +161,31 @@ class ExternalDataProvider(DatasetProvider):
     def build_datasets(self, context: DatasetBuildContext):
         if self.iterator is None:
             raise RuntimeError("ExternalDataProvider has no iterator attached (call .attach(iterator))")
-        return self.iterator, None, None
+        return self.iterator, getattr(self, "_valid", None), None
 
 
 # ------------------------------------------------------------------------------------------------
 # The container
 # ------------------------------------------------------------------------------------------------
-def build_config_container(cfg: TrainerConfig, world_size: int,
-                           iterator: TimedIterator | None = None) -> ConfigContainer:
-    """The full Megatron-Bridge config. Call ``cfg.validate(world_size)`` first (``train`` does)."""
-    t = cfg.train
+def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedIterator | None = None, *,
+                           valid_iterator=None, bridge: AutoBridge | None = None,
+                           resume: bool = False) -> ConfigContainer:
+    """The full Megatron-Bridge config. Call ``cfg.validate(world_size)`` first (``train`` does).
+    ``resume``: the driver found a checkpoint in ``cfg.checkpoint.load`` to take up."""
+    t, ck, ev = cfg.train, cfg.checkpoint, cfg.eval
     fsdp = cfg.parallel.strategy == "fsdp"
+    evaluate = valid_iterator is not None and ev.eval_interval is not None
     return ConfigContainer(
-        model=build_provider(cfg),
+        model=build_provider(cfg, bridge),
         train=TrainingConfig(
             train_iters=t.train_iters, global_batch_size=t.gbs, micro_batch_size=t.mbs,
             manual_gc=True, manual_gc_interval=100,
+            # A SIGTERM (from the driver, or sent to the rank) saves at the next step and stops.
+            exit_signal_handler=threading.current_thread() is threading.main_thread(),
+            exit_interval=ck.exit_interval, exit_duration_in_mins=ck.exit_duration_in_mins,
         ),
-        validation=ValidationConfig(eval_iters=0, eval_interval=None),
+        validation=ValidationConfig(eval_iters=ev.eval_iters if evaluate else 0,
+                                    eval_interval=ev.eval_interval if evaluate else None),
         optimizer=OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, bf16=t.bf16,
             adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=t.clip_grad,
@@ -181,11 +197,13 @@ def build_config_container(cfg: TrainerConfig, world_size: int,
             weight_decay_incr_style="constant", override_opt_param_scheduler=True,
         ),
         ddp=_ddp_config(fsdp),
-        dataset=ExternalDataProvider(seq_length=t.seq_len).attach(iterator),
+        dataset=ExternalDataProvider(seq_length=t.seq_len).attach(iterator, valid_iterator if evaluate else None),
         logger=LoggerConfig(log_interval=t.log_interval, log_throughput=True),
         # Our tokens arrive already tokenized; the null tokenizer only carries the vocabulary size.
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=cfg.model.arch().vocab_size),
-        checkpoint=CheckpointConfig(save=None, load=None,
+        checkpoint=CheckpointConfig(save=ck.save, load=ck.load if resume else None,
+                                    save_interval=ck.save_interval or (t.train_iters if ck.save else None),
+                                    most_recent_k=ck.keep_last or -1,
                                     ckpt_format="fsdp_dtensor" if fsdp else "torch_dist"),
         rng=RNGConfig(seed=t.seed),
         dist=DistributedInitConfig(use_megatron_fsdp=fsdp),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -12,35 +14,89 @@ from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.state import GlobalState
 
 from trainer.config import TrainerConfig
-from trainer.megatron.container import build_config_container, check_runtime
+from trainer.megatron.container import build_bridge, build_config_container, check_runtime
 from trainer.megatron.metrics import ForwardClock, MetricsSink, StepMetrics, TimedForwardStep, TimedIterator
 from trainer.megatron.step import PackedForwardStep, to_stock_batch
 
 log = logging.getLogger("vlmfeed.megatron")
 
 
-def train(cfg: TrainerConfig, data_iterator: Iterator[dict], metrics_sink: MetricsSink = None,
-          *, world_size: int | None = None) -> list[dict]:
+@dataclass(kw_only=True)
+class MegatronRank:
+    """What one rank reports and where it learns that the run should stop."""
+
+    metrics_sink: MetricsSink = None  # a JSON-lines path, or a callable taking each step's record
+    samples_path: str | None = None  # each step's [sample key, epoch] pairs
+    control: str | None = None  # the named actor a driver's stop request arrives through
+    resume: bool = False  # the driver found a checkpoint in cfg.checkpoint.load to take up
+    redealt: bool = False  # ... saved at another DP size: the data service dealt the rest anew
+    out: str = "."
+
+
+def train(cfg: TrainerConfig, data_iterator: Iterator[dict], me: MegatronRank | None = None,
+          *, world_size: int | None = None, valid_iterator: Iterator[dict] | None = None) -> list[dict]:
     """Train with Megatron-Bridge on this rank. Call on every rank, with RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT set (Bridge initialises torch.distributed unless it already is).
-    Returns this rank's per-step records; the last rank also writes them to ``metrics_sink``
-    (a JSON-lines path, or a callable taking each record)."""
+    Returns this rank's per-step records; the last rank also writes them to ``me.metrics_sink``."""
+    me = me or MegatronRank()
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world_size)
     check_runtime(cfg)
 
     iterator = TimedIterator(data_iterator, adapt=to_stock_batch if cfg.train.padded else None)
-    container = build_config_container(cfg, world_size, iterator)
+    iterator.ignore_restore = me.redealt
+    valid = TimedIterator(valid_iterator, adapt=to_stock_batch if cfg.train.padded else None) if valid_iterator else None
+    bridge = build_bridge(cfg)
+    container = build_config_container(cfg, world_size, iterator, valid_iterator=valid, bridge=bridge,
+                                       resume=me.resume)
+    if me.redealt:  # no loader state of the old DP size is restored: Bridge finds none here
+        container.dataset.dataloader_load = os.path.join(me.out, "no-loader-state")
     # A Ray actor sees exactly its own GPU; Bridge would otherwise pick cuda:LOCAL_RANK.
     container.dist.external_gpu_device_mapping = torch.cuda.device_count() == 1
     init_loopback_distributed(container)
     clock = ForwardClock()
     forward_step = TimedForwardStep(qwen3_vl_step.forward_step if cfg.train.padded else PackedForwardStep(), clock)
-    metrics = StepMetrics(iterator, metrics_sink, clock)
+    metrics = StepMetrics(iterator, me.metrics_sink, clock, samples_path=me.samples_path)
+    callbacks = [metrics, StopOnRequest(me.control)]
+    if cfg.checkpoint.export_hf:
+        callbacks.append(ExportAtEnd(bridge, cfg.checkpoint.export_hf))
     log.info("Megatron-Bridge backend: %s, strategy %s, %s rows", cfg.model.preset, cfg.parallel.strategy,
              "padded (stock qwen3_vl_step)" if cfg.train.padded else "packed (THD)")
-    run_bridge(container, forward_step, [metrics])
+    stopped = run_bridge(container, forward_step, callbacks)
+    metrics.finish(stopped)
     return metrics.records
+
+
+class StopOnRequest(Callback):
+    """Polls the driver's stop request once a step; on one, signals this rank as Slurm would, so
+    Bridge's own exit handler saves a checkpoint at the step boundary and stops."""
+
+    def __init__(self, control: str | None):
+        self.control = control
+        self.reason = ""
+
+    def on_train_step_end(self, context) -> None:
+        if not self.control or self.reason:
+            return
+        import ray
+
+        try:
+            self.reason = ray.get(ray.get_actor(self.control).stop_reason.remote(), timeout=10)
+        except Exception:  # no driver to ask (a script of the user's): nothing was asked
+            return
+        if self.reason:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ExportAtEnd(Callback):
+    """Writes a Hugging Face checkpoint of the trained model when training ends (every rank takes part)."""
+
+    def __init__(self, bridge, path: str):
+        self.bridge, self.path = bridge, path
+
+    def on_train_end(self, context) -> None:
+        self.bridge.save_hf_pretrained(context.model, self.path)
+        log.info("Hugging Face checkpoint written to %s", self.path)
 
 
 def init_loopback_distributed(container: ConfigContainer) -> None:
@@ -63,11 +119,24 @@ def init_loopback_distributed(container: ConfigContainer) -> None:
     torch.distributed.barrier(device_ids=[device])
 
 
-def run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callback]) -> None:
-    """Megatron-Bridge's pretrain loop. ``megatron.bridge.training.pretrain`` imports
-    nvidia-resiliency-ext at module level, whose registry release (0.4.1) predates what megatron-core
-    0.19 needs (>= 0.6, and 0.4.1 breaks its import); where it is missing we run the same steps
-    pretrain runs without in-process restart: setup, train, finish."""
+def run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callback]) -> str | None:
+    """Megatron-Bridge's pretrain loop; returns why it stopped early (a signal, --exit-interval,
+    --exit-duration-in-mins: Bridge saves, then exits the process with status 0), or None."""
+    try:
+        _run_bridge(container, forward_step, callbacks)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        stop = next((c.reason for c in callbacks if isinstance(c, StopOnRequest)), "")
+        return stop or "exit_interval_or_duration"
+    return None
+
+
+def _run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callback]) -> None:
+    """``megatron.bridge.training.pretrain`` imports nvidia-resiliency-ext at module level, whose
+    registry release (0.4.1) predates what megatron-core 0.19 needs (>= 0.6, and 0.4.1 breaks its
+    import); where it is missing we run the same steps pretrain runs without in-process restart:
+    setup, train, finish."""
     skip_dataset_helper_compile()
     try:
         from megatron.bridge.training.pretrain import pretrain

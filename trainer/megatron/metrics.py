@@ -32,6 +32,7 @@ class TimedIterator:
         self.reset()
 
     def reset(self) -> None:
+        self.samples: list[list] = []  # [key, epoch] of each sample of the step's micro-batches
         self.wait_s = 0.0
         self.real_tokens = 0
         self.slot_tokens = 0
@@ -54,14 +55,19 @@ class TimedIterator:
         self.vision_patches_sq += vision_patches_sq(batch)
         self.sample_tokens_sq += sample_tokens_sq(batch)
         self.micro_batches += 1
+        self.samples += [[k, e] for k, e in zip(batch.get("sample_keys", []), batch.get("sample_epochs", []))]
         return self.adapt(batch) if self.adapt else batch
 
-    # Checkpoint resume goes straight to the data service's stream state.
+    # Bridge saves these with each checkpoint (one file per DP rank) and restores them on resume.
     def save_state(self):
         return self.inner.save_state()
 
     def restore_state(self, state) -> None:
+        if self.ignore_restore:  # the driver dealt the rest of the epoch anew (another DP size)
+            return
         self.inner.restore_state(state)
+
+    ignore_restore = False
 
 
 class ForwardClock:
@@ -122,12 +128,17 @@ class StepMetrics(Callback):
     FLOPs to ``train_state.floating_point_operations_so_far`` right after ``on_train_step_end``, so a
     step's record is completed at the next step's start (or at train end)."""
 
-    def __init__(self, iterator: TimedIterator, sink: MetricsSink, clock: ForwardClock | None = None):
+    def __init__(self, iterator: TimedIterator, sink: MetricsSink, clock: ForwardClock | None = None,
+                 samples_path: str | None = None):
         self.iterator = iterator
         self.sink = sink
         self.clock = clock
+        self.samples_path = samples_path  # each step's [sample key, epoch] pairs (this DP rank's)
         self.records: list[dict] = []
         self._pending: dict | None = None
+        self._pending_samples: list = []
+        self._state: GlobalState | None = None
+        self._step_end = 0.0
         self._t0 = 0.0
         self._flops_before = 0.0
 
@@ -140,6 +151,8 @@ class StepMetrics(Callback):
 
     def on_train_step_end(self, context: CallbackContext) -> None:
         torch.cuda.synchronize()
+        self._state = context.state
+        samples = self.iterator.samples
         spread = self._rank_spread()
         # This rank's own step inputs, what the cost model is fitted on (datasvc.balance).
         it, elapsed = self.iterator, time.perf_counter() - self._t0
@@ -162,6 +175,26 @@ class StepMetrics(Callback):
             **spread,
             **own,
         }
+        self._pending_samples = samples
+        self._step_end = time.perf_counter()
+
+    def on_eval_end(self, context: CallbackContext) -> None:
+        """The validation loss (last pipeline stage only) goes with the step it followed."""
+        loss = _loss(context.total_loss_dict) if context.total_loss_dict else None
+        if loss is not None and self._pending is not None:
+            self._pending["val_loss"] = loss
+
+    def on_checkpoint_save(self, context: CallbackContext) -> None:
+        """Seconds from the step's end to the checkpoint's (the save, and any validation before it)."""
+        if self._pending is not None:
+            self._pending["checkpoint_s"] = round(time.perf_counter() - self._step_end, 3)
+
+    def finish(self, reason: str | None = None) -> None:
+        """Complete the last record when Bridge stops the loop early (a signal, --exit-interval)."""
+        if self._pending is not None and reason:
+            self._pending["exit_reason"] = reason
+        if self._state is not None:
+            self._finish_pending(CallbackContext(state=self._state, model=[]))
 
     def _rank_spread(self) -> dict:
         """Every DP replica's forward seconds and vision patches of this step (forward seconds and the
@@ -212,6 +245,9 @@ class StepMetrics(Callback):
             elif self.sink is not None:
                 with open(self.sink, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+            if self.samples_path:
+                with open(self.samples_path, "a") as f:
+                    f.write(json.dumps({"step": rec["step"], "samples": self._pending_samples}) + "\n")
 
 
 def _loss(loss_dict: dict | None) -> float | None:
