@@ -23,6 +23,8 @@ import json
 import logging
 import posixpath
 import re
+
+import argparse
 from dataclasses import dataclass
 
 import fsspec
@@ -33,6 +35,64 @@ LATEST = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"iter_(\d{7})$")
 
 
+# ------------------------------------------------------------------------------------------------
+# Options (both backends)
+# ------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class CheckpointingConfig:
+    """Saving, resuming, stopping early and exporting (names as Megatron-Bridge's)."""
+
+    save: str | None = None  # a directory (or s3:// URL on the CPU path) to save checkpoints in
+    save_interval: int | None = None  # steps between checkpoints; None: only at the end and on exit
+    load: str | None = None  # resume from the newest checkpoint here (none there: start afresh)
+    keep_last: int | None = None  # checkpoints kept (the newest); None: all
+    exit_interval: int | None = None  # stop, saving, once the step is a multiple of this
+    exit_duration_in_mins: float | None = None  # stop, saving, after this many minutes of training
+    export_hf: str | None = None  # write a Hugging Face checkpoint of the trained model here at the end
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    eval_interval: int | None = None  # steps between validation passes; None: no validation
+    eval_iters: int = 4  # global batches per validation pass
+
+
+def check_long_run(cfg) -> list[str]:
+    """Checkpoint, exit and evaluation options (both backends)."""
+    c, e = cfg.checkpoint, cfg.eval
+    out = [f"--{name.replace('_', '-')} must be >= 1 (got {v})" for name, v in (
+        ("save_interval", c.save_interval), ("keep_last", c.keep_last), ("exit_interval", c.exit_interval),
+        ("eval_interval", e.eval_interval)) if v is not None and v < 1]
+    if e.eval_iters < 1:
+        out.append(f"--eval-iters must be >= 1 (got {e.eval_iters})")
+    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
+        out.append(f"--exit-duration-in-mins must be > 0 (got {c.exit_duration_in_mins})")
+    if (c.save_interval or c.keep_last) and not c.save:
+        out.append("--save-interval and --keep-last need --save DIR (where checkpoints go)")
+    return out
+
+
+def add_long_run_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints, evaluation and export")
+    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (a shared path; s3:// on the CPU "
+                   "path); also on SIGTERM and at the end")
+    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: end and exit only)")
+    g.add_argument("--load", default=None, metavar="DIR", help="resume from the newest checkpoint in DIR (none there: "
+                   "start afresh), also at another data-parallel size")
+    g.add_argument("--keep-last", type=int, default=None, help="checkpoints kept, newest first (default: all)")
+    g.add_argument("--exit-interval", type=int, default=None, help="save and stop once the step is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and stop after this many minutes")
+    g.add_argument("--export-hf", default=None, metavar="DIR", help="write a Hugging Face checkpoint of the trained "
+                   "model here at the end")
+    g.add_argument("--eval-interval", type=int, default=None, help="steps between validation passes over "
+                   "--valid-shards (default: none)")
+    g.add_argument("--eval-iters", type=int, default=EvalConfig().eval_iters,
+                   help="global batches per validation pass (default: %(default)s)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a run's checkpoints
+# ------------------------------------------------------------------------------------------------
 def iter_name(step: int) -> str:
     return f"iter_{step:07d}"
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pipelines.qwen3vl.arch import Qwen3VLArch, arch, preset_names
+from trainer.checkpoint import CheckpointingConfig, EvalConfig, add_long_run_args, check_long_run
 
 
 class ConfigError(ValueError):
@@ -104,25 +105,6 @@ class TrainConfig:
     # PyTorch's expandable allocator segments on each rank: large MBS leaves big freed blocks that a
     # later, larger allocation (the fp32 logits) cannot reuse; measured 18 GiB stranded at MBS 8.
     expandable_segments: bool = False
-
-
-@dataclass(kw_only=True)
-class CheckpointingConfig:
-    """Saving, resuming, stopping early and exporting (names as Megatron-Bridge's)."""
-
-    save: str | None = None  # a directory (or s3:// URL on the CPU path) to save checkpoints in
-    save_interval: int | None = None  # steps between checkpoints; None: only at the end and on exit
-    load: str | None = None  # resume from the newest checkpoint here (none there: start afresh)
-    keep_last: int | None = None  # checkpoints kept (the newest); None: all
-    exit_interval: int | None = None  # stop, saving, once the step is a multiple of this
-    exit_duration_in_mins: float | None = None  # stop, saving, after this many minutes of training
-    export_hf: str | None = None  # write a Hugging Face checkpoint of the trained model here at the end
-
-
-@dataclass(kw_only=True)
-class EvalConfig:
-    eval_interval: int | None = None  # steps between validation passes; None: no validation
-    eval_iters: int = 4  # global batches per validation pass
 
 
 @dataclass(kw_only=True)
@@ -366,21 +348,6 @@ def _check_graphs_with_packing(cfg: TrainerConfig, scope: set[str]) -> list[str]
     return out
 
 
-def check_long_run(cfg: TrainerConfig) -> list[str]:
-    """Checkpoint, exit and evaluation options (both backends)."""
-    c, e = cfg.checkpoint, cfg.eval
-    out = [f"--{name.replace('_', '-')} must be >= 1 (got {v})" for name, v in (
-        ("save_interval", c.save_interval), ("keep_last", c.keep_last), ("exit_interval", c.exit_interval),
-        ("eval_interval", e.eval_interval)) if v is not None and v < 1]
-    if e.eval_iters < 1:
-        out.append(f"--eval-iters must be >= 1 (got {e.eval_iters})")
-    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
-        out.append(f"--exit-duration-in-mins must be > 0 (got {c.exit_duration_in_mins})")
-    if (c.save_interval or c.keep_last) and not c.save:
-        out.append("--save-interval and --keep-last need --save DIR (where checkpoints go)")
-    return out
-
-
 def _check_optimizer(t: TrainConfig) -> list[str]:
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         return [f"need 0 <= --min-lr <= --lr and --lr > 0 (got lr={t.lr}, min_lr={t.min_lr})"]
@@ -447,21 +414,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _bool_flag(g, "--expandable-segments", False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every "
                "rank (less fragmentation at large MBS)")
 
-    g = parser.add_argument_group("checkpoints, evaluation and export")
-    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (a shared path; s3:// on the CPU "
-                   "path); also on SIGTERM and at the end")
-    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: end and exit only)")
-    g.add_argument("--load", default=None, metavar="DIR", help="resume from the newest checkpoint in DIR (none there: "
-                   "start afresh), also at another data-parallel size")
-    g.add_argument("--keep-last", type=int, default=None, help="checkpoints kept, newest first (default: all)")
-    g.add_argument("--exit-interval", type=int, default=None, help="save and stop once the step is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and stop after this many minutes")
-    g.add_argument("--export-hf", default=None, metavar="DIR", help="write a Hugging Face checkpoint of the trained "
-                   "model here at the end")
-    g.add_argument("--eval-interval", type=int, default=None, help="steps between validation passes over "
-                   "--valid-shards (default: none)")
-    g.add_argument("--eval-iters", type=int, default=EvalConfig().eval_iters,
-                   help="global batches per validation pass (default: %(default)s)")
+    add_long_run_args(parser)
     return parser
 
 
