@@ -205,10 +205,21 @@ def commit(root: str, step: int, keep_last: int | None) -> None:
     fs, path = _fs(root)
     with fs.open(posixpath.join(path, LATEST), "w") as f:
         f.write(str(step))
-    if keep_last:
-        steps = sorted(int(m.group(1)) for p in fs.ls(path, detail=False) if (m := _ITER.search(p.rstrip("/"))))
-        for old in steps[:-keep_last]:
-            fs.rm(posixpath.join(path, iter_name(old)), recursive=True)
+    prune(root, keep_last)
+
+
+def prune(root: str, keep_last: int | None) -> None:
+    """Drop every checkpoint but the newest ``keep_last``, with its loader states. (Bridge's own
+    ``most_recent_k`` counts ``energon/iter_*`` among the checkpoints, so it can keep a checkpoint
+    and delete the loader states beside it.)"""
+    if not keep_last:
+        return
+    fs, path = _fs(root)
+    steps = sorted(int(m.group(1)) for p in fs.ls(path, detail=False) if (m := _ITER.search(p.rstrip("/"))))
+    for old in steps[:-keep_last]:
+        for d in (posixpath.join(path, iter_name(old)), posixpath.join(path, "energon", iter_name(old))):
+            if fs.exists(d):
+                fs.rm(d, recursive=True)
 
 
 def load_cpu(root: str, step: int, *, rank: int, model, optimizer, scheduler) -> None:

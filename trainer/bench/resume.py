@@ -44,19 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.abspath(args.out)
     base = [args.pipeline, "--train-iters", str(args.steps), *extra]
     straight, split = os.path.join(out, "straight"), os.path.join(out, "split")
-    walls = {"straight": run([*base, "--out", straight, "--save", os.path.join(straight, "ckpt")],
-                             os.path.join(out, "straight.log"))}
+    walls = {"straight": run([*base, "--out", straight], os.path.join(out, "straight.log"))}
     half = args.steps // 2
     ck = os.path.join(split, "ckpt")
-    walls["first_half"] = run([*base, "--out", split, "--save", ck, "--exit-interval", str(half)],
+    walls["first_half"] = run([*base, "--out", split, "--save", ck, "--keep-last", "1", "--exit-interval", str(half)],
                               os.path.join(out, "first_half.log"))
-    walls["resumed_half"] = run([*base, "--out", split, "--save", ck, "--load", ck], os.path.join(out, "resumed.log"))
+    ckpt_bytes = size_bytes(ck)  # one checkpoint, with every DP rank's loader state
+    walls["resumed_half"] = run([*base, "--out", split, "--save", ck, "--keep-last", "1", "--load", ck],
+                                os.path.join(out, "resumed.log"))
 
     a, b = lines(os.path.join(straight, "metrics.jsonl")), lines(os.path.join(split, "metrics.jsonl"))
     sa, sb = lines(os.path.join(straight, "samples.jsonl")), lines(os.path.join(split, "samples.jsonl"))
     rel = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b) if x.get("loss") and y.get("loss")]
     saves = [r["checkpoint_s"] for r in a + b if r.get("checkpoint_s") is not None]
-    ckpt_dir = os.path.join(straight, "ckpt", f"iter_{args.steps:07d}")
     rep = {
         "steps": args.steps, "resumed_at": half, "trainer_flags": extra,
         "steps_straight": [r["step"] for r in a], "steps_split": [r["step"] for r in b],
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         "loss_max_rel_diff": max(rel) if rel else None,
         "loss_max_rel_diff_before_resume": max(rel[:half]) if rel else None,
         "loss_max_rel_diff_after_resume": max(rel[half:]) if rel[half:] else None,
-        "checkpoint_bytes": size_bytes(ckpt_dir) if os.path.isdir(ckpt_dir) else None,
+        "checkpoint_bytes": ckpt_bytes,
         "checkpoint_s": saves, "wall_s": {k: round(v, 1) for k, v in walls.items()},
         "loss_straight": [r.get("loss") for r in a], "loss_split": [r.get("loss") for r in b],
     }
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{rep['loss_max_rel_diff'] or 0:>17.2e} {(size or 0) / 2**30:>9.2f} "
           f"{(sum(saves) / len(saves) if saves else 0):>8.1f}")
     print(f"wrote {os.path.join(out, 'resume.json')} and resume.png")
+    import shutil
+
+    shutil.rmtree(ck, ignore_errors=True)  # tens of GB: the figures above are what is kept
     return 0 if rep["same_samples_every_step"] else 1
 
 

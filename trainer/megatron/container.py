@@ -203,7 +203,6 @@ def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedI
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=cfg.model.arch().vocab_size),
         checkpoint=CheckpointConfig(save=ck.save, load=ck.load if resume else None,
                                     save_interval=ck.save_interval or (t.train_iters if ck.save else None),
-                                    most_recent_k=ck.keep_last or -1,
                                     ckpt_format="fsdp_dtensor" if fsdp else "torch_dist"),
         rng=RNGConfig(seed=t.seed),
         dist=DistributedInitConfig(use_megatron_fsdp=fsdp),

@@ -13,6 +13,7 @@ from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import ConfigContainer
 from megatron.bridge.training.state import GlobalState
 
+from trainer.checkpoint import prune
 from trainer.config import TrainerConfig
 from trainer.megatron.container import build_bridge, build_config_container, check_runtime
 from trainer.megatron.metrics import ForwardClock, MetricsSink, StepMetrics, TimedForwardStep, TimedIterator
@@ -60,6 +61,8 @@ def train(cfg: TrainerConfig, data_iterator: Iterator[dict], me: MegatronRank | 
     callbacks = [metrics, StopOnRequest(me.control)]
     if cfg.checkpoint.export_hf:
         callbacks.append(ExportAtEnd(bridge, cfg.checkpoint.export_hf))
+    if cfg.checkpoint.save and cfg.checkpoint.keep_last:
+        callbacks.append(KeepLast(cfg.checkpoint.save, cfg.checkpoint.keep_last))
     log.info("Megatron-Bridge backend: %s, strategy %s, %s rows", cfg.model.preset, cfg.parallel.strategy,
              "padded (stock qwen3_vl_step)" if cfg.train.padded else "packed (THD)")
     stopped = run_bridge(container, forward_step, callbacks)
@@ -86,6 +89,17 @@ class StopOnRequest(Callback):
             return
         if self.reason:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class KeepLast(Callback):
+    """After each save, rank 0 drops all but the newest checkpoints with their loader states."""
+
+    def __init__(self, root: str, keep: int):
+        self.root, self.keep = root, keep
+
+    def on_checkpoint_save(self, context) -> None:
+        if torch.distributed.get_rank() == 0:
+            prune(self.root, self.keep)
 
 
 class ExportAtEnd(Callback):
