@@ -149,6 +149,10 @@ def build_model(num_layers: int, num_experts: int, seq_len: int):
     provider.bf16 = True
     provider.params_dtype = torch.bfloat16
     provider.finalize()
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():  # an earlier model in this process left its groups
+        parallel_state.destroy_model_parallel()
     provider.initialize_model_parallel(seed=1234)
     model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=True)[0]
     model.eval()

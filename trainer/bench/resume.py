@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for the runs, their checkpoints and resume.json")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
     base = [args.pipeline, "--train-iters", str(args.steps), *extra]
     straight, split = os.path.join(out, "straight"), os.path.join(out, "split")
     walls = {"straight": run([*base, "--out", straight], os.path.join(out, "straight.log"))}
