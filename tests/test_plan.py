@@ -318,3 +318,14 @@ def test_gpu_memory_from_the_clusters_gpu_type():
     assert gpu_memory_from_resources({"GPU": 8, "accelerator_type:H200": 1.0}) == 141
     assert gpu_memory_from_resources({"GPU": 4, "accelerator_type:GB200": 1.0}) == 186
     assert gpu_memory_from_resources({"CPU": 2}) is None
+
+
+def test_a_knob_the_gpus_cannot_take_stops_in_one_line_before_any_rank():
+    from trainer.plan.gate import plan_gate
+    from trainer.run import parse_args
+
+    args = parse_args(["qwen3vl", "--moe-dispatcher", "flex", "--flex-backend", "hybridep"])
+    with pytest.raises(SystemExit) as exc:
+        plan_gate(args, 1, 141)
+    message = str(exc.value)
+    assert "\n" not in message and "flex" in message and "--moe-dispatcher alltoall" in message

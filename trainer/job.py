@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import time
@@ -205,7 +206,16 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
     if backend == "megatron":
         if gpus < world:
             raise SystemExit(f"--world-size {world} needs {world} GPUs; the cluster has {gpus}")
-        cfg.validate(world)
+        from trainer.config import ConfigError
+
+        try:
+            cfg.validate(world)
+        except ConfigError as exc:
+            raise SystemExit(str(exc)) from None
+        if cfg.moe.dispatcher == "flex" and importlib.util.find_spec("deep_ep") is None:
+            raise SystemExit(f"--moe-dispatcher flex (--flex-backend {cfg.moe.flex_backend}) needs the deep_ep package "
+                             "(DeepEP, with HybridEP for hybridep) and expert parallelism over GPUs; install it, or "
+                             "use --moe-dispatcher alltoall")
     else:
         p = cfg.parallel
         if (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):

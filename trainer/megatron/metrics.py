@@ -71,37 +71,32 @@ class TimedIterator:
 
 
 class ForwardClock:
-    """GPU seconds of this rank's model forwards, from CUDA events that forward hooks on each model
-    chunk record on the current stream (no synchronisation inside the step). The DP ranks' totals
-    per step give the measured straggler ratio. The forward is timed, not the backward, because
-    Megatron overlaps the gradient reduce with the backward; under FSDP the forward holds the
-    parameter gathers too, which line the ranks up layer by layer and so understate the spread."""
+    """GPU seconds of this rank's forward steps, from CUDA events recorded on the current stream
+    around each call of the forward step (no synchronisation inside the step, and no hooks on the
+    model: Transformer Engine refuses to capture CUDA graphs of modules that have hooks). The DP
+    ranks' totals per step give the measured straggler ratio. The forward is timed, not the
+    backward, because Megatron overlaps the gradient reduce with the backward; under FSDP the
+    forward holds the parameter gathers too, which line the ranks up layer by layer and so
+    understate the spread."""
 
     def __init__(self):
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start: torch.cuda.Event | None = None
-        self._watched: set[int] = set()
 
-    def watch(self, model) -> None:
-        if id(model) in self._watched:
-            return
-        self._watched.add(id(model))
-        model.register_forward_pre_hook(self._on_start)
-        model.register_forward_hook(self._on_end)
-
-    def _on_start(self, module, args) -> None:
+    def start(self) -> None:
         if torch.cuda.is_current_stream_capturing():  # an event recorded into a CUDA graph has no time
             self._start = None
             return
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record()
 
-    def _on_end(self, module, args, output) -> None:
+    def stop(self) -> None:
         if self._start is None:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._spans.append((self._start, end))
+        self._start = None
 
     def drain(self) -> float:
         """Seconds of the forwards since the last drain; call after the step's synchronisation."""
@@ -111,15 +106,18 @@ class ForwardClock:
 
 
 class TimedForwardStep:
-    """A forward step with its model's forwards timed by ``clock``; the signature Bridge inspects
-    (state injected by name) is the wrapped step's."""
+    """A forward step timed by ``clock``; the signature Bridge inspects (state injected by name) is
+    the wrapped step's."""
 
     def __init__(self, inner, clock: ForwardClock):
         self.inner, self.clock = inner, clock
 
     def __call__(self, state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
-        self.clock.watch(model)
-        return self.inner(state, data_iterator, model, return_schedule_plan)
+        self.clock.start()
+        try:
+            return self.inner(state, data_iterator, model, return_schedule_plan)
+        finally:
+            self.clock.stop()
 
 
 class StepMetrics(Callback):

@@ -87,7 +87,12 @@ def fit_auto(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = 
             if plan.margin_gib >= AUTO_MARGIN_SHARE * gpu_memory_gib:
                 return candidate, plan, _reason(best_of_first or plan, plan, added)
     if last is None:
-        raise ConfigError(f"no configuration is valid on {gpus} GPU(s); check --tp/--pp/--cp/--ep")
+        try:
+            with_gbs(cfg, gpus).validate(gpus)
+            why = "check --tp/--pp/--cp/--ep"
+        except ConfigError as exc:  # the requested settings' own problems say what to change
+            why = "; ".join(line.strip(" -") for line in str(exc).splitlines()[1:])
+        raise ConfigError(f"no configuration is valid on {gpus} GPU(s): {why}")
     candidate, plan = last
     return candidate, plan, (f"nothing fits {gpus} x {gpu_memory_gib:g} GiB, not even {describe(candidate, gpus)} "
                              f"({plan.need_gib:.0f} GiB per GPU): use GPUs with more memory or more of them")

@@ -37,13 +37,22 @@ def plan_gate(args: argparse.Namespace, gpus: int, gpu_memory_gib: float) -> Non
     """Check the job on ``gpus`` GPUs of ``gpu_memory_gib``: stop with the plan and the nearest settings
     that fit when it cannot fit; under ``--fit auto`` with no model flag, rewrite ``args`` to the
     largest configuration that fits (and say so)."""
+    from trainer.config import ConfigError
+
+    if getattr(args, "fit", "off") == "off":
+        return
+    try:
+        _gate(args, gpus, gpu_memory_gib)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _gate(args: argparse.Namespace, gpus: int, gpu_memory_gib: float) -> None:
     from trainer.config import from_args
     from trainer.plan.fit import fit_auto, nearest_fits, with_gbs
     from trainer.plan.planner import plan_job
     from trainer.plan.report import format_plan
 
-    if getattr(args, "fit", "off") == "off":
-        return
     cfg = with_gbs(from_args(args), gpus)
     if not set(MODEL_FLAGS) & args._given:
         cfg, plan, reason = fit_auto(cfg, gpus, gpu_memory_gib)
