@@ -127,14 +127,15 @@ class DataClient:
         self._next_step = state["step"]
         self.trained = TrainedSamples.from_state(state.get("trained"))
         before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
-                  "step": state["step"] - 1}
+                  "step": state["step"] - 1, "carry": state.get("carry", [])}
         self._fetched_pos = self._last_pos = before
 
     def _state_after(self, pos: dict | None) -> dict:
         """The state that resumes right after the micro-batch at ``pos`` (None: from the start)."""
         pos = pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
         state = {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
-                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1}
+                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1,
+                 "carry": pos.get("carry", [])}
         if self._dataset is None:
             try:  # asked once per feeder; a feeder that is gone leaves the state without it
                 self._dataset = ray.get(self._feeder().stats.remote(), timeout=60).get("dataset")
@@ -153,7 +154,8 @@ class DataClient:
         if self.consumer == 0:
             self._restart_feeder(state)
         else:
-            self._await_feeder({k: state[k] for k in ("epoch", "block", "batch", "step")})
+            self._await_feeder({**{k: state[k] for k in ("epoch", "block", "batch", "step")},
+                                "carry": state.get("carry", [])})
 
     def _restart_feeder(self, state: dict) -> None:
         try:

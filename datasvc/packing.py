@@ -120,16 +120,21 @@ def plan_block(samples: list[EncodedSample], cfg: PackingConfig
     return fits, rows, too_long
 
 
-def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_size: int
-                 ) -> tuple[list[list[int]], list[EncodedSample]]:
-    """Rows that fill whole micro-batches, and the samples of the rest: the emptiest ``len(rows) %
-    micro_batch_size`` rows, which would otherwise leave row slots empty, to be packed with the next
-    block's samples."""
+def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_size: int, seq_len: int = 0,
+                 min_fill: float = 0.0) -> tuple[list[list[int]], list[EncodedSample]]:
+    """Rows that fill whole micro-batches, and the samples of the rest, to be packed with the next
+    block's samples: the emptiest ``len(rows) % micro_batch_size`` rows, which would otherwise leave
+    row slots empty, and, where rows below ``min_fill`` of ``seq_len`` remain, the next
+    ``micro_batch_size`` emptiest (so at most ``2 x micro_batch_size - 1`` rows wait: data whose rows
+    cannot fill never stalls)."""
+    tokens = [sum(fits[i].num_tokens for i in row) for row in rows]
+    order = sorted(range(len(rows)), key=lambda r: (tokens[r], -r))
     extra = len(rows) % micro_batch_size
+    if any(tokens[r] < min_fill * seq_len for r in order[extra:]):
+        extra += micro_batch_size
     if not extra:
         return rows, []
-    tokens = [sum(fits[i].num_tokens for i in row) for row in rows]
-    held = set(sorted(range(len(rows)), key=lambda r: (tokens[r], -r))[:extra])
+    held = set(order[:extra])
     return ([row for r, row in enumerate(rows) if r not in held],
             [fits[i] for r in sorted(held) for i in rows[r]])
 

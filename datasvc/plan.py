@@ -27,9 +27,16 @@ class Position:
     block: int = 0
     batch: int = 0  # index within the block
     step: int = 0  # micro-batches delivered so far in total
+    # (epoch, plan ordinal) of the samples the chain before this block's chain carried into it: the
+    # rows it would have trained part empty. A restore reads them again, so the chain packs as it did.
+    carry: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "carry", tuple((int(e), int(o)) for e, o in self.carry))
 
     def as_dict(self) -> dict:
-        return {"epoch": self.epoch, "block": self.block, "batch": self.batch, "step": self.step}
+        return {"epoch": self.epoch, "block": self.block, "batch": self.batch, "step": self.step,
+                "carry": [list(c) for c in self.carry]}
 
 
 class EpochPlan:
@@ -50,6 +57,7 @@ class EpochPlan:
                                             ordinals=tuple(range(ordinal + first, ordinal + first + len(chunk)))))
             ordinal += len(idx.samples)
         self.total_samples = sum(len(i.samples) for i in self.indexes)
+        self._first_ordinal = np.cumsum([0] + [len(idx.samples) for idx in self.indexes])
         self.dataset = dataset_fingerprint([idx.path for idx in self.indexes])
         """The shard files this plan was made over (``dataset_fingerprint``), for saved states."""
         self._blend = None  # cfg.blend's draw over self._items, built when an order is first asked for
@@ -92,6 +100,14 @@ class EpochPlan:
         if self.partly_trained(epoch):
             return self._untrained(epoch, order)[rank::self.cfg.dp_size]
         return [replace(self._items[i], epoch=epoch) for i in order[rank::self.cfg.dp_size]]
+
+    def sample_item(self, epoch: int, ordinal: int):
+        """The work item of the one sample at ``ordinal`` (drawn for ``epoch``)."""
+        from datasvc.process import WorkItem
+
+        i = int(np.searchsorted(self._first_ordinal, ordinal, side="right")) - 1
+        idx, j = self.indexes[i], ordinal - int(self._first_ordinal[i])
+        return WorkItem(idx.path, j, (idx.samples[j],), epoch=epoch, ordinals=(ordinal,))
 
     def partly_trained(self, epoch: int) -> bool:
         """Whether the remainder this stream started from had trained some of ``epoch``."""
@@ -172,11 +188,15 @@ class EpochPlan:
         cfg = PackingConfig(seq_len=self.cfg.seq_len, micro_batch_size=self.cfg.micro_batch_size, pad_id=pad_id,
                             pack=self.cfg.pack)
         fits, rows, too_long = plan_block(shuffled, cfg)
-        rows, held = hold_partial(fits, rows, cfg.micro_batch_size) if hold else (rows, [])
+        rows, held = hold_partial(fits, rows, cfg.micro_batch_size, cfg.seq_len, MIN_ROW_FILL) if hold else (rows, [])
         batches = micro_batches(fits, rows, cfg, patch_dim)
         # Packing groups rows by length; shuffle the micro-batches so steps do not trend.
         return [batches[i] for i in rng.permutation(len(batches))], too_long, held
 
+
+MIN_ROW_FILL = 0.95
+"""Rows emptier than this are held and packed with the next block's samples (a micro-batch's worth
+at most), so only the stream's last rows train part empty."""
 
 LISTED_FILES = 1000
 """A fingerprint lists each file (so a refused restore can say which changed) up to this many."""

@@ -178,7 +178,9 @@ class BlockProducer:
         self.stream = StreamStats()
         self.budget = FailureBudget(cfg.max_consecutive_rejections, cfg.max_rejection_rate,
                                     cfg.rejection_rate_min_samples)
-        self._held: list = []  # samples of the rows the last block held for the next one of its chain
+        self._held: list = []  # samples of the rows the last block held for the next one
+        self._carry_in = self.start.carry  # (epoch, ordinal) of the samples held into the current chain
+        self._packed_any = False
         self._unsent = 0  # samples in packed micro-batches not handed out yet
         self._packing = 0  # samples of the block being packed (read, not packed yet)
         self._next = self.start
@@ -237,23 +239,27 @@ class BlockProducer:
             if self.sources:
                 self.sources.add_delivered(batch.sample_keys)
             self.stream.add_batch(batch, self.spec.merge_size)
-            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1)
+            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1, pos.carry)
 
     # ---- planning ----------------------------------------------------------------------------
     def _schedule(self):
-        """(epoch, block, items, ends_chain) lazily, from the first block of the start position's
-        chain: the blocks before the start position only rebuild the rows that chain holds."""
+        """(epoch, block, items, ends_stream) lazily, from the first block of the start
+        position's chain: the blocks before the start position only rebuild the rows that chain holds.
+        A restore's first block reads the samples carried into its chain first."""
         chain = self.cfg.chain_blocks
         first = self.start.block - self.start.block % chain
         spanning = self.cfg.blocks_span_epochs and self.plan.items_per_epoch(self.rank) > 0
         blocks = self.plan.spanning_blocks(self.rank, first) if spanning else self._epoch_blocks(first)
         current = next(blocks, None)
+        carried = [self.plan.sample_item(e, o) for e, o in self.start.carry]
         while current is not None:
             following = next(blocks, None)
             epoch, block, items = current
-            ends_chain = (following is None or (block + 1) % chain == 0
-                          or (not spanning and following[0] != epoch))
-            yield epoch, block, items, ends_chain
+            # Rows are held over to the next block until the stream ends (or, when blocks do not span
+            # epochs, until the epoch ends): only its very last rows train part empty.
+            ends_stream = following is None or (not spanning and following[0] != epoch)
+            yield epoch, block, carried + items, ends_stream
+            carried = []
             current = following
 
     def _epoch_blocks(self, first: int):
@@ -280,7 +286,7 @@ class BlockProducer:
     # ---- processing and packing ----------------------------------------------------------------
     def _packed_blocks(self) -> Iterator[Block]:
         schedule = self._schedule()
-        upcoming: deque = deque()  # (epoch, block, items, ends_chain) fetched, not yet packed
+        upcoming: deque = deque()  # (epoch, block, items, ends_stream) fetched, not yet packed
         results: dict = {}
         submitted: set = set()
         step = self.start.step
@@ -302,12 +308,12 @@ class BlockProducer:
                         submitted.add(key)
             for key, res in self.runner.collect(timeout=0.2):
                 results[key] = res
-            e, b, items, ends_chain = upcoming[0]
+            e, b, items, ends_stream = upcoming[0]
             if all((e, b, i) in results for i in range(len(items))):
                 upcoming.popleft()
                 done = [results.pop((e, b, i)) for i in range(len(items))]
                 submitted.difference_update((e, b, i) for i in range(len(items)))
-                block = self._pack(e, b, items, done, step, epoch_samples, ends_chain)
+                block = self._pack(e, b, items, done, step, epoch_samples, ends_stream)
                 step += len(block.batches)
                 yield block
         if self._stop:  # stopped mid-stream: an epoch cut short is not an all-rejected epoch
@@ -318,7 +324,7 @@ class BlockProducer:
                                        f"was rejected: {self.acct.as_dict()}")
 
     def _pack(self, epoch: int, block: int, items: list[WorkItem], results: list[ItemResult], step: int,
-              epoch_samples: dict, ends_chain: bool) -> Block:
+              epoch_samples: dict, ends_stream: bool) -> Block:
         samples = []
         with self._lock:
             for item, r in zip(items, results):
@@ -333,9 +339,12 @@ class BlockProducer:
             self._packing = len(samples)
         for item, r in zip(items, results):
             self.budget.observe(item, r, self.acct, self.rank)
+        if block % self.cfg.chain_blocks == 0 and self._packed_any:  # a chain starts with what the last one held
+            self._carry_in = tuple((s.epoch, s.ordinal) for s in self._held)
+        self._packed_any = True
         t0 = time.perf_counter()
         batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
-                                                       self.spec.patch_dim, hold=not ends_chain)
+                                                       self.spec.patch_dim, hold=not ends_stream)
         with self._lock:
             self._held, self._packing = held, 0
             self.times.add("pack", time.perf_counter() - t0, len(batches))
@@ -355,5 +364,6 @@ class BlockProducer:
                 for b in batches[:skip]:
                     self.sources.add_delivered(b.sample_keys)
             self._unsent += sum(len(b.sample_keys) for b in batches[skip:])
-        out = [(batch, Position(epoch, block, i, step + i - skip)) for i, batch in enumerate(batches) if i >= skip]
+        out = [(batch, Position(epoch, block, i, step + i - skip, self._carry_in))
+               for i, batch in enumerate(batches) if i >= skip]
         return Block(epoch, block, out)

@@ -227,6 +227,6 @@ def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = N
                                    "seq_len, MBS, dp_size, items_per_block, blocks_span_epochs, chain_blocks, "
                                    "...); restore with the same one")
         check_dataset(cfg, state.get("dataset"))
-        start = {k: state[k] for k in ("epoch", "block", "batch", "step")}
+        start = {**{k: state[k] for k in ("epoch", "block", "batch", "step")}, "carry": state.get("carry", [])}
     return Feeder.options(name=feeder_name(run, rank), **near(node, True)).remote(cfg, rank, start, run)  # num_cpus=0
 

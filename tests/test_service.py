@@ -202,18 +202,19 @@ def test_blocks_spanning_epochs_deliver_each_sample_once_per_epoch_and_resume(ph
     c2.restore_state(state)
     assert first + [b.sample_keys for b in drain(c2)] == reference
 
-    # Per-epoch blocks end each epoch on a part-empty block of their own; spanning ones do not.
+    # Per-epoch blocks end each epoch on part-empty rows of their own; spanning ones only the stream.
     per_epoch = service(config(photo_shards, epochs=2, seed=5, micro_batch_size=2, items_per_block=3))
     rows = drain(per_epoch.client(0, output="numpy"))
     fill = lambda bs: sum(b.real_tokens for b in bs) / sum(b.tokens.size for b in bs)
-    assert len(batches) < len(rows) and fill(batches) > fill(rows)  # 11 against 12 micro-batches here
+    assert len(batches) <= len(rows) and fill(batches) >= fill(rows)
 
 
 @pytest.mark.parametrize("span", [False, True], ids=["per-epoch", "spanning"])
 def test_chained_blocks_fill_rows_keep_epochs_and_resume_exactly(photo_shards, service, span):
-    """chain_blocks: a block's part-filled rows wait for the next block, so micro-batches are full but
-    at a chain's end; every sample still arrives once per epoch (per-epoch blocks: within its epoch),
-    and a restore in the middle of a chain replays its earlier blocks to the same stream."""
+    """A block's part-filled rows wait for the next block, across chains too, so only the stream's
+    (per-epoch blocks: the epoch's) last rows are part empty; every sample still arrives once per
+    epoch, and a restore anywhere replays its chain's earlier blocks, and reads the samples the chain
+    before carried into it, to the same stream. chain_blocks bounds that work, not the rows' fill."""
     base = dict(epochs=2, seed=3, micro_batch_size=2, samples_per_item=2, items_per_block=2, blocks_span_epochs=span)
     cfg = config(photo_shards, chain_blocks=3, **base)
     assert cfg.fingerprint() != config(photo_shards, **base).fingerprint()
@@ -234,7 +235,7 @@ def test_chained_blocks_fill_rows_keep_epochs_and_resume_exactly(photo_shards, s
     unchained = service(config(photo_shards, **base))
     loose = drain(unchained.client(0, output="numpy"))
     empty_rows = lambda bs: sum(int((b.num_samples == 0).sum()) for b in bs)
-    assert len(batches) < len(loose) and empty_rows(batches) < empty_rows(loose)
+    assert [b.sample_keys for b in loose] == reference and empty_rows(batches) == empty_rows(loose)
 
     for cut in (3, 4, 7):  # restores at different places in and between chains
         svc = service(cfg)

@@ -91,6 +91,11 @@ def test_hold_partial_keeps_whole_micro_batches_and_holds_the_emptiest_rows():
     assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
     assert hold_partial(fits, kept, 4) == (kept, [])  # a whole number of micro-batches holds nothing
 
+    # With a fill floor, the emptiest rows wait too: a micro-batch's worth more at most.
+    kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
+    assert len(kept) % 4 == 0 and len(rows) - len(kept) < 8
+    assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
+
 
 def test_best_fit_rows_never_overflow():
     lengths = list(np.random.default_rng(2).integers(1, 500, 300))
