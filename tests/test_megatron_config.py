@@ -94,6 +94,7 @@ def test_defaults_are_valid():
     (1, proxy(cuda_graph=CudaGraphConfig(scope=["moe_router"]), recompute=RecomputeConfig(granularity="full")),
      "--recompute full is incompatible"),
     (1, proxy(cuda_graph=CudaGraphConfig(scope=["moe_preprocess"])), "needs 'moe_router'"),
+    (1, proxy(cuda_graph=CudaGraphConfig(scope=["moe_router", "moe_preprocess"])), "Megatron-FSDP's parameter hooks"),
     (1, proxy(cuda_graph=CudaGraphConfig(scope=["moe"])), "drop-and-pad"),
     (1, proxy(cuda_graph=CudaGraphConfig(scope=["moe_router"]),
               recompute=RecomputeConfig(granularity="selective", modules=["moe"])), "recompute module 'moe'"),
@@ -121,7 +122,7 @@ def test_validation_lists_every_problem():
 
 def test_padded_mode_allows_attention_graphs():
     proxy(cuda_graph=CudaGraphConfig(scope=["attn", "moe_router", "moe_preprocess"]),
-          train=TrainConfig(mbs=1, gbs=1, padded=True)).validate(1)
+          parallel=ParallelConfig(strategy="3d"), train=TrainConfig(mbs=1, gbs=1, padded=True)).validate(1)
 
 
 # ------------------------------------------------------------------------------------------------

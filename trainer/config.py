@@ -322,6 +322,8 @@ def _check_cuda_graphs(cfg: TrainerConfig) -> list[str]:
         out.append("CUDA-graph scope cannot hold both 'moe' and 'moe_router'")
     if "moe_preprocess" in scope and "moe_router" not in scope:
         out.append("CUDA-graph scope 'moe_preprocess' needs 'moe_router' too")
+    if cfg.parallel.strategy == "fsdp":  # Transformer Engine refuses modules with hooks
+        out.append("per-layer CUDA graphs cannot capture Megatron-FSDP's parameter hooks; use --strategy 3d")
     if rc.granularity == "full":
         out.append("--recompute full is incompatible with per-layer CUDA graphs (Megatron allows full recompute "
                    "only with full-iteration graphs); use --recompute selective or drop --cuda-graph-scope")
@@ -413,8 +415,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _bool_flag(g, "--padded", False, "stock Megatron-Bridge qwen3_vl_step on padded rows (comparison)")
     _bool_flag(g, "--expandable-segments", False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every "
                "rank (less fragmentation at large MBS)")
-
-    add_long_run_args(parser)
+    add_long_run_args(parser)  # checkpoints, evaluation and export: trainer.checkpoint
     return parser
 
 

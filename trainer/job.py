@@ -16,12 +16,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import ray
-
 from datasvc.config import ServiceConfig
 from datasvc.filters import add_filter_flags, filters_from_flags
 from trainer.config import TrainerConfig
-from trainer.lifecycle import Resume, RunControl, resolve_outputs, resume_from, stop_on_sigterm
+from trainer.lifecycle import Resume, resolve_outputs, resume_from, start_run_control, stop_on_sigterm
 
 log = logging.getLogger("vlmfeed.run")
 TRAINER_GPU_SHARE = 0.75
@@ -327,6 +325,8 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
     """Run the job: (the reporting rank's step records, the data service's stats, wall seconds).
     A SIGTERM to this process (what Slurm, Kubernetes and ``ray job stop`` send) asks the ranks to
     save at the next step boundary and stop; the run then ends normally."""
+    import ray
+
     from datasvc.client import DataService
     from trainer.workers import RankLayout, WorkerGroup
 
@@ -342,7 +342,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
         services.append(DataService(job.data_cfg, run=job.run, nodes=data_nodes(job, group.node_ids), restore=restore))
         if job.valid_cfg is not None:
             services.append(DataService(job.valid_cfg, run=f"{job.run}-valid", nodes=data_nodes(job, group.node_ids)))
-        control = RunControl.options(name=f"{job.run}-control").remote()
+        control = start_run_control(f"{job.run}-control")
     except BaseException:
         group.shutdown()
         for svc in services:
@@ -397,6 +397,7 @@ def rank_main(job: Job, layout):
 
 
 def _cpu_rank(job: Job, layout, start: dict | None):
+    import ray
     import torch
     import torch.distributed as dist
 

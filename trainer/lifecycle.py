@@ -12,8 +12,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import ray
-
 from datasvc.config import ServiceConfig
 from trainer.config import TrainerConfig
 
@@ -96,9 +94,9 @@ def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceCon
     return data_cfg, Resume(load, saved.step, saved.dp_size, {}, redealt=True)
 
 
-@ray.remote(num_cpus=0)
 class RunControl:
-    """Carries a stop request from the driver to the ranks, which poll it once a step."""
+    """Carries a stop request from the driver to the ranks, which poll it once a step (a Ray actor:
+    ``start_run_control``)."""
 
     def __init__(self):
         self.reason = ""
@@ -108,6 +106,12 @@ class RunControl:
 
     def stop_reason(self) -> str:
         return self.reason
+
+
+def start_run_control(name: str):
+    import ray
+
+    return ray.remote(num_cpus=0)(RunControl).options(name=name).remote()
 
 
 @contextlib.contextmanager

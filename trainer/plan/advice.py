@@ -156,11 +156,15 @@ def _runtime(plan, work) -> list:
     else:
         out.append(Advice("keep --moe-dispatcher alltoall (EP 1: experts are not split)",
                           "with EP 1 tokens never leave the GPU; EP > 1 splits the experts' memory"))
-    if not cfg.cuda_graph.scope:
+    if not cfg.cuda_graph.scope and cfg.parallel.strategy == "3d":
         why = ("not with --recompute full (per-layer graphs need selective or no recompute); "
                if cfg.recompute.granularity == "full" else "")
         out.append(Advice("once the loop is stable: --cuda-graph-scope moe_router moe_preprocess",
-                          why + "packed THD rows cannot graph attention, the router and dispatch preprocessing can"))
+                          why + "packed THD rows cannot graph attention, the router and dispatch preprocessing can; "
+                          "measured no gain at MBS 1 on one H200 (docs/benchmarks.md)"))
+    elif not cfg.cuda_graph.scope:
+        out.append(Advice("no CUDA graphs under fsdp", "Megatron-FSDP's parameter hooks cannot be captured in "
+                          "Transformer Engine's per-layer graphs; graphs need --strategy 3d"))
     out.append(Advice("measure with real or calibrated synthetic images, not the image-free mock",
                       "the mock skips the vision tower and the image tokens: measured 2.1-2.5x optimistic on the "
                       "4-layer proxy and 1.4-1.6x at full depth (docs/benchmarks.md)"))
