@@ -131,6 +131,9 @@ def build_job(args: argparse.Namespace) -> Job:
     plan_gate_declared(args)  # a job that declares its GPUs and cannot fit stops before Ray starts
     gpus, loopback = connect_cluster(args)
     backend = args.backend if args.backend != "auto" else ("megatron" if gpus else "cpu")
+    if backend == "megatron" and args.save and "://" in args.save:
+        raise SystemExit("--save with Megatron-Bridge needs a filesystem path (local or shared); s3:// URLs are "
+                         "supported on the CPU path only")
     if backend == "cpu":
         for flag, (attr, value) in CPU_DEFAULTS.items():
             if flag not in args._given:
@@ -169,9 +172,6 @@ def check_args(args: argparse.Namespace) -> None:
     if args.block_micro_batches < 1 or args.chain_blocks < 1 or (
             args.items_per_block is not None and args.items_per_block < 1):
         raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
-    if args.save and "://" in args.save and args.backend == "megatron":
-        raise SystemExit("--save with Megatron-Bridge needs a filesystem path (local or shared); s3:// URLs are "
-                         "supported on the CPU path only")
     if (args.video_fps is not None and args.video_fps <= 0) or (
             args.video_max_pixels is not None and args.video_max_pixels <= 0):
         raise SystemExit("--video-fps and --video-max-pixels must be > 0 (leave them out for the pipeline's own)")

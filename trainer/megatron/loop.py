@@ -142,7 +142,7 @@ def run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callbac
         if exc.code not in (0, None):
             raise
         stop = next((c.reason for c in callbacks if isinstance(c, StopOnRequest)), "")
-        return stop or "exit_interval_or_duration"
+        return stop or ("exit_interval" if container.train.exit_interval else "exit_duration_in_mins")
     return None
 
 
