@@ -50,7 +50,7 @@ def test_stopped_and_resumed_run_trains_what_a_straight_run_trains(tmp_path, pho
               "--eval-interval", 3, "--eval-iters", 1]
     straight = tmp_path / "straight"
     trainer(*common, "--out", straight, "--export-hf", tmp_path / "export", "--save", tmp_path / "ck-straight",
-            "--keep-last", 1)
+            "--keep-last", 1, "--export-hf-on-save")
     ref = lines(straight / "metrics.jsonl")
     assert [r["step"] for r in ref] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in ref if "val_loss" in r] == [3, 6]
@@ -68,6 +68,8 @@ def test_stopped_and_resumed_run_trains_what_a_straight_run_trains(tmp_path, pho
     start = Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_hf).state_dict()
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(exported[name], saved[name]) and not torch.equal(exported[name], start[name])
+    at_save = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "ck-straight" / "iter_0000006" / "hf")
+    assert torch.equal(at_save.state_dict()[name], saved[name])
 
     resumed, ck = tmp_path / "resumed", tmp_path / "ck"
     proc = trainer(*common, "--out", resumed, "--save", ck, wait=False)

@@ -49,6 +49,7 @@ class CheckpointingConfig:
     exit_interval: int | None = None  # stop, saving, once the step is a multiple of this
     exit_duration_in_mins: float | None = None  # stop, saving, after this many minutes of training
     export_hf: str | None = None  # write a Hugging Face checkpoint of the trained model here at the end
+    export_hf_on_save: bool = False  # also write one into each checkpoint (DIR/iter_N/hf)
 
 
 @dataclass(kw_only=True)
@@ -67,8 +68,8 @@ def check_long_run(cfg) -> list[str]:
         out.append(f"--eval-iters must be >= 1 (got {e.eval_iters})")
     if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
         out.append(f"--exit-duration-in-mins must be > 0 (got {c.exit_duration_in_mins})")
-    if (c.save_interval or c.keep_last) and not c.save:
-        out.append("--save-interval and --keep-last need --save DIR (where checkpoints go)")
+    if (c.save_interval or c.keep_last or c.export_hf_on_save) and not c.save:
+        out.append("--save-interval, --keep-last and --export-hf-on-save need --save DIR (where checkpoints go)")
     return out
 
 
@@ -84,6 +85,8 @@ def add_long_run_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and stop after this many minutes")
     g.add_argument("--export-hf", default=None, metavar="DIR", help="write a Hugging Face checkpoint of the trained "
                    "model here at the end")
+    g.add_argument("--export-hf-on-save", action="store_true", help="also write a Hugging Face checkpoint into "
+                   "each checkpoint (DIR/iter_N/hf; on GPUs: --strategy 3d with --hf-path, Bridge's own export)")
     g.add_argument("--eval-interval", type=int, default=None, help="steps between validation passes over "
                    "--valid-shards (default: none)")
     g.add_argument("--eval-iters", type=int, default=EvalConfig().eval_iters,
@@ -180,7 +183,7 @@ def _load(fs, path: str):
 
 
 def save_cpu(root: str, step: int, *, rank: int, dp_rank: int | None, model, optimizer, scheduler,
-             loader_state: dict | None) -> None:
+             loader_state: dict | None, export_hf: bool = False) -> None:
     """This rank's part of checkpoint ``step``: rank 0 the model, optimizer and scheduler (every
     rank holds the same, gradients being all-reduced), each rank its RNG, each DP rank's first
     consumer its loader state. ``commit`` makes it the latest once every rank has written."""
@@ -193,6 +196,12 @@ def save_cpu(root: str, step: int, *, rank: int, dp_rank: int | None, model, opt
         _save(fs, posixpath.join(d, "model.pt"), model.state_dict())
         _save(fs, posixpath.join(d, "optimizer.pt"), {"optimizer": optimizer.state_dict(),
                                                       "scheduler": scheduler.state_dict()})
+    if rank == 0 and export_hf:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:  # transformers writes to a local folder
+            model.save_pretrained(tmp)
+            fs.put(tmp + "/", posixpath.join(d, "hf") + "/", recursive=True)
     _save(fs, posixpath.join(d, "rng", f"rank{rank}.pt"), torch.get_rng_state())
     if loader_state is not None:
         fs.makedirs(posixpath.join(d, "loader"), exist_ok=True)

@@ -443,8 +443,7 @@ def from_args(args: argparse.Namespace) -> TrainerConfig:
                           weight_decay=args.weight_decay, clip_grad=args.clip_grad, bf16=args.bf16,
                           seed=args.seed, log_interval=args.log_interval, padded=args.padded,
                           expandable_segments=args.expandable_segments),
-        checkpoint=CheckpointingConfig(save=args.save, save_interval=args.save_interval, load=args.load,
-                                       keep_last=args.keep_last, exit_interval=args.exit_interval,
-                                       exit_duration_in_mins=args.exit_duration_in_mins, export_hf=args.export_hf),
-        eval=EvalConfig(eval_interval=args.eval_interval, eval_iters=args.eval_iters),
+        # The flags are named as the fields (trainer.checkpoint.add_long_run_args).
+        checkpoint=CheckpointingConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CheckpointingConfig)}),
+        eval=EvalConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalConfig)}),
     )

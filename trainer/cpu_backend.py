@@ -175,7 +175,8 @@ def train(cfg: TrainerConfig, data_iter, me: CpuRank, *, valid_iter=None, loader
         if ck.save and (reason or step == cfg.train.train_iters or (ck.save_interval and step % ck.save_interval == 0)):
             t0 = time.perf_counter()
             save_cpu(ck.save, step, rank=me.rank, dp_rank=me.dp_rank, model=model, optimizer=opt, scheduler=sched,
-                     loader_state=loader.save_state() if loader is not None else None)
+                     loader_state=loader.save_state() if loader is not None else None,
+                     export_hf=ck.export_hf_on_save)
             if me.world > 1:
                 dist.barrier()
             if me.rank == 0:

@@ -210,6 +210,9 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
             cfg.validate(world)
         except ConfigError as exc:
             raise SystemExit(str(exc)) from None
+        if cfg.checkpoint.export_hf_on_save and (cfg.parallel.strategy != "3d" or not cfg.model.hf_path):
+            raise SystemExit("--export-hf-on-save on GPUs is Megatron-Bridge's own export, which needs --strategy 3d "
+                             "(torch_dist checkpoints) and --hf-path (its template); or use --export-hf at the end")
         if cfg.moe.dispatcher == "flex" and importlib.util.find_spec("deep_ep") is None:
             raise SystemExit(f"--moe-dispatcher flex (--flex-backend {cfg.moe.flex_backend}) needs the deep_ep package "
                              "(DeepEP, with HybridEP for hybridep) and expert parallelism over GPUs; install it, or "

@@ -203,6 +203,7 @@ def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedI
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=cfg.model.arch().vocab_size),
         checkpoint=CheckpointConfig(save=ck.save, load=ck.load if resume else None,
                                     save_interval=ck.save_interval or (t.train_iters if ck.save else None),
+                                    also_save_hf_checkpoint=ck.export_hf_on_save, hf_source_path=cfg.model.hf_path,
                                     ckpt_format="fsdp_dtensor" if fsdp else "torch_dist"),
         rng=RNGConfig(seed=t.seed),
         dist=DistributedInitConfig(use_megatron_fsdp=fsdp),
