@@ -214,8 +214,9 @@ class BlendedItems:
         self.sizes = [len(items) for items in self._items]
         self.seed, self.dp_size = seed, dp_size
         self.per_epoch = sum(self.sizes) if per_epoch is None else per_epoch
-        # By place, not identity: the plan hands out copies of an item marked with their epoch.
-        self._source = {(item.shard, item.first): name for name, _, items in sources for item in items}
+        # By shard, not identity: the plan hands out copies of an item marked with their epoch, and a
+        # restore reads single samples carried into its chain.
+        self._source = {item.shard: name for name, _, items in sources for item in items}
 
     def items(self, epoch: int, rank: int) -> list:
         order = rank_order(self.sizes, self.weights, self.seed, epoch, rank, self.dp_size, self.per_epoch)
@@ -225,7 +226,7 @@ class BlendedItems:
         return len(range(rank, self.per_epoch, self.dp_size))
 
     def source_of(self, item) -> str:
-        return self._source[(item.shard, item.first)]
+        return self._source[item.shard]
 
     def shares(self, epoch: int, rank: int) -> dict[str, int]:
         """Items per source this rank gets in the epoch."""
