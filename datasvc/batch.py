@@ -4,7 +4,7 @@ Arrays are numpy so they cross the Ray object store without copies. Images trave
 one temporal frame, in raster order, in rows of 768 bytes (one patch's worth): resized to their grid
 (``vision.pixel_rows``), or as the decoded frame whose last resize the rank makes
 (``vision.FrameRows``; ``image_frame_hw`` says which). The client turns them into the model's float
-``pixel_values`` [N, C*T*P*P] in patch order late, on the rank (see ``datasvc.client``). That saves
+``pixel_values`` [N, C*T*P*P] in patch order late, on the rank (see ``datasvc.service.client``). That saves
 8x in object-store traffic over float32 with both frames, and leaves the resize and the patch
 permutation to the rank's GPU, where they cost microseconds.
 """
@@ -62,7 +62,7 @@ class EncodedSample:
     # frame the consumer resizes to its grid's size (``vision.FrameRows``); None: all at that size.
     image_frame_hw: np.ndarray | None = None
     # Videos: uint8 [sum(t*T*h*w), 3*P*P], each video's frames (padded to the temporal patch T) one
-    # after the other in raster order (``datasvc.video.frames_to_rows``); grids [n_videos, 3].
+    # after the other in raster order (``datasvc.media.video.frames_to_rows``); grids [n_videos, 3].
     video_pixels: np.ndarray = field(default_factory=lambda: _NO_VIDEO_ROWS)
     video_grid_thw: np.ndarray = field(default_factory=lambda: _NO_GRIDS)
     # The epoch it was drawn for and its ordinal in the plan (``WorkItem``), set by the producer.

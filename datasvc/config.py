@@ -8,8 +8,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from datasvc.blend import blend_patterns, parse_blend
-from datasvc.filters import Rule
+from datasvc.read.blend import blend_patterns, parse_blend
+from datasvc.read.filters import Rule
+from datasvc.usage import UserError
 
 # Decoded frames on transparent huge pages (where the kernel grants them on request), freed blocks up
 # to 32 MiB kept on the heap instead of unmapped, and up to 64 MiB of free heap kept: a new frame
@@ -17,6 +18,10 @@ from datasvc.filters import Rule
 ACTOR_MALLOC_TUNABLES = ":".join(("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
                                   "glibc.malloc.trim_threshold=67108864"))
 _TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[0-9A-Za-z_]+")
+
+
+class InvalidConfig(ValueError, UserError):
+    """Settings of the data service that cannot work together, each named with its fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,14 +60,14 @@ class ServiceConfig:
     decode_threads: int = 1
     cpu_jpeg_decoder: Literal["dali", "libjpeg-turbo"] = "dali"
     """With ``decode="cpu"``: "libjpeg-turbo" decodes RGB and grayscale JPEGs with libjpeg-turbo at
-    the reduced DCT scale that still covers the target (``datasvc.jpegscale``), which DALI cannot;
+    the reduced DCT scale that still covers the target (``datasvc.media.jpegscale``), which DALI cannot;
     faster on photos well above the pixel cap, within the same HF exactness. Other images: DALI."""
     resize_on: Literal["rank", "actor"] = "rank"
     """With ``decode="cpu"``, where a CPU-decoded image's last resize runs. "rank": the actor sends
     the decoded frame (when within ``decode.RANK_RESIZE_MAX_AREA`` of its target's pixels) and the
     client resizes it on the rank's device with HF's own resize, as it makes ``pixel_values``. At
     the default cap that resize is nearly a decode's CPU time in the actor and a few microseconds of
-    a GPU (docs/benchmarks.md, "CPU preprocessing per core"). "actor": the actor resizes every image
+    a GPU (docs/benchmarks/cpu-preprocessing-per-core.md). "actor": the actor resizes every image
     and sends rows at the grid's size."""
     decode_gpu_share: float = 0.25
     """GPU fraction each preprocessing actor requests when ``decode`` is "gpu"."""
@@ -70,8 +75,8 @@ class ServiceConfig:
     """glibc's allocator settings (``GLIBC_TUNABLES``) for the preprocessing actors' processes. The
     default spares a large photo's decode most of its page faults: 1.05-1.34x less CPU per image in
     the actors on 8-16 MP photos (1.34x on an H200 host), about the same on 0.3-4 MP
-    (``python -m datasvc.tools.bench.allocator``; docs/benchmarks.md, "CPU preprocessing per
-    core"). Empty: glibc's defaults. Entries of a GLIBC_TUNABLES that the cluster's processes were
+    (``python -m datasvc.tools.bench.allocator``; docs/benchmarks/cpu-preprocessing-per-core.md).
+    Empty: glibc's defaults. Entries of a GLIBC_TUNABLES that the cluster's processes were
     started with win over these."""
     min_actors: int = 1
     max_actors: int = 2
@@ -98,30 +103,34 @@ class ServiceConfig:
     """Per preprocessing actor: decoded pixels held at once, estimated from image headers before
     any decode. A work item is decoded in parts that fit; a sample over it is rejected
     ``sample_too_large``."""
+    encoded_bytes_budget: int = 512 << 20
+    """Per preprocessing actor: encoded bytes (image, video and text members) held at once, from the
+    tar headers before anything is read. A work item is read in parts that fit; a sample over it is
+    rejected ``sample_too_large`` unread (a 2 MB .tar.gz can hold GBs of padded members)."""
     replan_on_dataset_change: bool = False
     """Restore a saved loader state even though the shard files changed since (added, removed,
     rewritten): the stream is re-planned over the files as they are now, and a warning says so.
     Without it such a restore fails, naming what changed."""
     fault_injection: dict = field(default_factory=dict)
     """For tests of fault handling only, never in a real run: real failures in the preprocessing
-    actors, keyed as ``datasvc.recovery.FaultInjection`` lists them (``kill_on_key``,
+    actors, keyed as ``datasvc.stream.recovery.FaultInjection`` lists them (``kill_on_key``,
     ``raise_on_key``, ``address_space_headroom_bytes``, ``rss_headroom_bytes``)."""
     filters: tuple[str, ...] = ()
     """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
-    the others are counted as skipped_by_rule under the rule (grammar: datasvc.filters)."""
+    the others are counted as skipped_by_rule under the rule (grammar: datasvc.read.filters)."""
     blend: str = ""
     """Datasets drawn in fixed proportions: ``NAME=PATTERN:WEIGHT,...`` or a YAML file (grammar:
-    datasvc.blend). ``shards`` may then be left empty: it becomes every pattern the blend names."""
+    datasvc.read.blend). ``shards`` may then be left empty: it becomes every pattern the blend names."""
     balance_dp: bool = False
     """Deal each optimizer step's micro-batches of all DP ranks so that the costliest rank is as cheap
-    as possible (``datasvc.balanced``): every feeder plans every rank's micro-batches from image
+    as possible (``datasvc.stream.balanced``): every feeder plans every rank's micro-batches from image
     headers, then decodes only its share. Needs ``micro_batches_per_step``."""
     micro_batches_per_step: int = 1
     """GBS / (DP x MBS): the micro-batches a DP rank trains per optimizer step (what ``balance_dp`` deals)."""
     balance_cost: dict = field(default_factory=dict)
     """Options of the pipeline's ``cost_model`` (``preset``, ``calibration``) that ``balance_dp`` uses."""
     sizes_index: str = ""
-    """A directory all feeders can read (``datasvc.sizes``) where ``balance_dp`` keeps each shard's
+    """A directory all feeders can read (``datasvc.pack.sizes``) where ``balance_dp`` keeps each shard's
     per-sample sizes, so a shard's headers are read once per job instead of once per feeder.
     Empty: every feeder plans from headers."""
 
@@ -179,6 +188,8 @@ class ServiceConfig:
             problems.append(f"max_rejection_rate must be in (0, 1] or None, not {self.max_rejection_rate}")
         if self.decoded_bytes_budget < 1 << 20:
             problems.append(f"decoded_bytes_budget must be >= 1 MiB, not {self.decoded_bytes_budget}")
+        if self.encoded_bytes_budget < 1 << 20:
+            problems.append(f"encoded_bytes_budget must be >= 1 MiB, not {self.encoded_bytes_budget}")
         unknown = set(self.fault_injection) - {"kill_on_key", "raise_on_key", "address_space_headroom_bytes",
                                                "rss_headroom_bytes"}
         if unknown:
@@ -187,7 +198,7 @@ class ServiceConfig:
             problems.append(f"micro_batches_per_step={self.micro_batches_per_step}: balance_dp deals a step's micro-batches "
                             "between ranks, so set it to GBS / (DP x MBS) >= 2 (with 1 there is nothing to deal)")
         if problems:
-            raise ValueError("invalid data service config: " + "; ".join(problems))
+            raise InvalidConfig("invalid data service config: " + "; ".join(problems))
 
     def actor_env(self) -> dict[str, str]:
         """Environment variables of the preprocessing actors' processes."""

@@ -8,8 +8,9 @@ from typing import Protocol
 
 import numpy as np
 
-from datasvc.shards import RawSample
-from datasvc.vision import VisionSpec
+from datasvc.media.video import VideoPlan, VideoSpec
+from datasvc.media.vision import VisionSpec
+from datasvc.read.shards import RawSample
 
 
 class Pipeline(Protocol):
@@ -21,10 +22,14 @@ class Pipeline(Protocol):
 
     name: str
     vision: VisionSpec
+    video: VideoSpec | None
+    """How videos are sampled and cut into patches; None: the pipeline takes no video."""
     pad_id: int
 
-    def encode(self, raw: RawSample, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and shifted labels for a sample whose images have these grids."""
+    def encode(self, raw: RawSample, grids: list[tuple[int, int, int]],
+               videos: list[VideoPlan] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and shifted labels for a sample whose images have these grids and whose videos
+        these plans (grid and timestamps), in member order."""
 
 
 def available() -> list[str]:
@@ -49,6 +54,18 @@ def pipeline_module(name: str):
         if exc.name != f"pipelines.{name}":
             raise
         raise ValueError(f"unknown pipeline {name!r}; available: {', '.join(available())}") from None
+
+
+PARTS = ("data", "video", "arch", "flops", "cost", "megatron", "cpu_model")
+
+
+def pipeline_part(name: str, part: str):
+    """One module of the pipeline's fixed file set (``PARTS``), e.g. its ``arch`` presets or its
+    ``cpu_model``, so the trainer and the tools reach a model's facts by the pipeline's name."""
+    if part not in PARTS:
+        raise ValueError(f"unknown pipeline part {part!r}; parts: {', '.join(PARTS)}")
+    pipeline_module(name)  # an unknown name says which pipelines there are
+    return importlib.import_module(f"pipelines.{name}.{part}")
 
 
 def get_pipeline(name: str, **options) -> Pipeline:

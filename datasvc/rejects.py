@@ -13,8 +13,39 @@ from dataclasses import dataclass, field
 RULE_REASONS = frozenset({"longer_than_seq_len"})
 # What the reader counts that is not a member left out: a fact about samples that are still read.
 NOTED_KEYS = frozenset({"repeated_key"})
-# A user's filter (datasvc.filters): the reason is this prefix and the rule, e.g. "filter:similarity>=0.28".
+# A user's filter (datasvc.read.filters): the reason is this prefix and the rule, e.g. "filter:similarity>=0.28".
 RULE_PREFIX = "filter:"
+
+
+class _Image:
+    """The place of the next image in a message's content (see datasvc.read.formats)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "IMAGE"
+
+
+IMAGE = _Image()
+
+
+class _Video:
+    """The place of the next video in a message's content."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "VIDEO"
+
+
+VIDEO = _Video()
+
+
+class SampleRejected(ValueError):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ def photo_shards(tmp_path_factory):
 def ray_local():
     import ray
 
-    from datasvc.cluster import connect
+    from datasvc.service.cluster import connect
 
     connect(num_cpus=2, object_store_memory=400 * 1024 * 1024)
     yield ray
@@ -32,6 +32,6 @@ def qwen3vl():
 
 @pytest.fixture(scope="session")
 def cpu_decoder():
-    from datasvc.decode import CpuDecoder
+    from datasvc.media.decode import CpuDecoder
 
     return CpuDecoder(num_threads=1)

@@ -29,7 +29,7 @@ def test_a_malformed_tunable_fails_fast_saying_what_to_write(bad):
 
 
 def test_a_started_actor_process_has_them(photo_shards, ray_local, monkeypatch):
-    from datasvc.pool import ActorPool
+    from datasvc.service.pool import ActorPool
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     # One entry: glibc 2.36 cuts the process's own copy of the variable (what /proc shows) at the

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datasvc.process import WorkItem, process_item
+from datasvc.read.shards import index_shard
 from datasvc.samples import encode_image, real_photos
-from datasvc.shards import index_shard
+from datasvc.stream.process import process_item
+from datasvc.wire import WorkItem
 
 
 def add(tar: tarfile.TarFile, name: str, data: bytes):
@@ -163,8 +164,8 @@ def test_garbage_file_is_one_counted_rejection(tmp_path, qwen3vl, cpu_decoder):
 
 def test_block_sizing_probe_skips_bad_samples_and_never_unpickles(hostile_shard):
     from datasvc.config import ServiceConfig
-    from datasvc.plan import sample_token_counts, size_blocks
-    from datasvc.shards import index_shard
+    from datasvc.pack.plan import sample_token_counts, size_blocks
+    from datasvc.read.shards import index_shard
 
     path, canary = hostile_shard
     cfg = ServiceConfig(shards=(path,), pipeline="qwen3vl", pipeline_options={"max_pixels": 256 * 256},

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datasvc import balance
-from datasvc.balance import CostModel, MicroBatchShape
+from datasvc.pack import balance
+from datasvc.pack.balance import CostModel, MicroBatchShape
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = CostModel(decoder_per_token=1e-5, decoder_per_token_sq=1e-9, vision_per_patch=1e-5,
@@ -121,9 +121,9 @@ def write_mixed_shards(out: Path, n: int = 96, seed: int = 0) -> list[str]:
 
 
 def header_samples(paths: list[str], seq_len: int) -> list[tuple[int, tuple[int, ...]]]:
-    from datasvc.process import encode_from_headers
+    from datasvc.pack.headers import encode_from_headers
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
     from datasvc.registry import get_pipeline
-    from datasvc.shards import ReadLimits, index_shard, read_samples
 
     pipeline = get_pipeline("qwen3vl", max_pixels=1024 * 1024)
     out = []
@@ -183,7 +183,7 @@ def test_same_assignment_after_a_restart_from_a_saved_position(mixed, tmp_path):
 import json, numpy as np, sys
 sys.path.insert(0, {str(ROOT / 'tests')!r}); sys.path.insert(0, {str(ROOT)!r})
 from test_balance import global_step, header_samples, rotated, write_mixed_shards
-from datasvc import balance
+from datasvc.pack import balance
 from pathlib import Path
 step = json.loads(Path({str(tmp_path / 'position.json')!r}).read_text())["step"]
 mixed = header_samples(write_mixed_shards(Path({str(tmp_path / 'again')!r})), 2048)
@@ -208,7 +208,7 @@ def test_predicted_straggler_over_a_stream(mixed):
 
 def test_shape_of_a_packed_micro_batch_matches_its_plan(mixed):
     from datasvc.batch import EncodedSample
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.pack.packing import PackingConfig, pack
 
     samples = [EncodedSample(f"k{i}", "s", np.ones(n, np.int64), np.ones(n, np.int64),
                              np.zeros((sum(p), 0), np.uint8), np.asarray([(1, q, 1) for q in p], np.int64).reshape(-1, 3))
@@ -230,7 +230,7 @@ def test_qwen3vl_calibrations_say_where_they_came_from():
     assert {"h200-3d", "h200-3d-recompute", "h200-fsdp", "h200-depth-proxy-fsdp"} <= set(CALIBRATIONS)
     for c in CALIBRATIONS.values():
         assert "H200" in c.hardware and c.commit and c.steps > 20
-        assert all((ROOT / "docs" / "results" / f).exists() for f in c.files)
+        assert all((ROOT / "tests" / "data" / "recorded" / f).exists() for f in c.files)
         assert 0 < c.rms_rel_error < 0.2
         assert all(abs(e) < 0.25 for e in c.case_rel_errors.values())  # fsdp MBS 1 mock: +24%
         assert 0 < c.text_tflops < 989 and 0 < c.vision_tflops < 989  # below the H200's dense bf16 peak
@@ -245,7 +245,7 @@ def test_refitting_the_recorded_steps_reproduces_the_stored_rates():
     from datasvc.tools.bench.balance import photo_stats
 
     stats = photo_stats("qwen3vl", 1024 * 1024)
-    inputs = cost.calibration_inputs(str(ROOT / "docs" / "results"))
+    inputs = cost.calibration_inputs(str(ROOT / "tests" / "data" / "recorded"))
     for name, stored in cost.CALIBRATIONS.items():
         files, kw = inputs[name]
         again = cost.fit(name, files, stats, **kw)
@@ -300,8 +300,8 @@ def mixed_shards(tmp_path_factory):
 
 
 def test_balanced_streams_of_all_ranks_are_disjoint_and_fill_every_step(mixed_shards):
-    from datasvc.balanced import BalancedProducer
-    from datasvc.producer import BlockProducer
+    from datasvc.stream.balanced import BalancedProducer
+    from datasvc.stream.producer import BlockProducer
 
     cfg = stream_config(mixed_shards)
     got = {r: list(BalancedProducer(cfg, r).micro_batches()) for r in range(2)}
@@ -318,8 +318,8 @@ def test_balanced_streams_of_all_ranks_are_disjoint_and_fill_every_step(mixed_sh
         unbalanced = sorted(k for r in range(2) for b, _ in own[r][2 * s:2 * s + 2] for k in b.sample_keys)
         assert balanced == unbalanced
     # Pixels came through: the merged micro-batches carry the decoded rows of their images.
+    from datasvc.media.vision import finish_resize
     from datasvc.registry import get_pipeline
-    from datasvc.vision import finish_resize
 
     b = got[0][0][0]
     spec = get_pipeline(cfg.pipeline).vision
@@ -334,7 +334,7 @@ def unbalanced_config(cfg):
 
 
 def test_balanced_stream_resumes_exactly_and_reports_its_straggler_ratio(mixed_shards):
-    from datasvc.balanced import BalancedProducer
+    from datasvc.stream.balanced import BalancedProducer
 
     cfg = stream_config(mixed_shards)
     full = BalancedProducer(cfg, 1)
@@ -358,9 +358,9 @@ def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_
     ranks' samples are disjoint, and a client restored from a saved state continues exactly."""
     import uuid
 
-    from datasvc.balanced import BalancedProducer
-    from datasvc.client import DataService
-    from datasvc.service import EndOfData
+    from datasvc.service.client import DataService
+    from datasvc.service.feeder import EndOfData
+    from datasvc.stream.balanced import BalancedProducer
 
     import dataclasses
     import threading
@@ -506,7 +506,7 @@ def test_the_cost_model_is_checked_against_recorded_steps_it_was_not_fitted_on()
     recorded before steps carried their inputs is reported as such, not guessed."""
     from datasvc.tools.bench.balance import check_recorded
 
-    runs = ROOT / "docs" / "results" / "h200"
+    runs = ROOT / "tests" / "data" / "recorded" / "h200"
     held_out = str(runs / "peers-train-mbs2-mbs4" / "vlmfeed-cpu-mbs4.metrics.jsonl")
     older = str(runs / "train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4" / "3d-real-large-mbs2.metrics.jsonl")
     new, old = check_recorded([held_out, older], "qwen3vl", "h200-3d-recompute")

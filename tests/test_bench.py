@@ -69,7 +69,7 @@ def test_bench_decode_tiny(tmp_path):
 
 
 def test_bench_service_tiny(tmp_path, ray_local, monkeypatch, capsys):
-    # In this process, on the session's local Ray (2 CPUs), through the command-line entry point.
+    # In this process, on the test run's local Ray (2 CPUs), through the command-line entry point.
     from datasvc.tools.bench.cli import main
 
     monkeypatch.setenv("VLMFEED_CACHE", str(tmp_path / "cache"))

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from datasvc.blend import (BlendSource, epoch_order, interleave, parse_blend, per_source, quotas, rank_order,
+from datasvc.read.blend import (BlendSource, epoch_order, interleave, parse_blend, per_source, quotas, rank_order,
                            source_items)
 
 
@@ -78,8 +78,8 @@ def test_bad_blends_fail_fast_saying_what_to_change(spec, match):
 
 
 def test_blended_work_items_name_their_source():
-    from datasvc.blend import BlendedItems
-    from datasvc.process import WorkItem
+    from datasvc.read.blend import BlendedItems
+    from datasvc.wire import WorkItem
 
     laion = [WorkItem(f"laion/{i}.tar", 0, ()) for i in range(12)]
     vqa = [WorkItem(f"vqa/{i}.tar", 16, ()) for i in range(3)]
@@ -112,7 +112,7 @@ def blend_config(spec, **kw):
 
 
 def test_the_epoch_plan_draws_by_the_weights(two_sources):
-    from datasvc.plan import EpochPlan
+    from datasvc.pack.plan import EpochPlan
 
     spec, root = two_sources
     cfg = blend_config(spec, dp_size=2)
@@ -130,7 +130,7 @@ def test_the_epoch_plan_draws_by_the_weights(two_sources):
 def test_a_blended_stream_resumes_exactly_and_counts_by_source(two_sources):
     from collections import Counter
 
-    from datasvc.producer import BlockProducer
+    from datasvc.stream.producer import BlockProducer
 
     spec, root = two_sources
     cfg = blend_config(spec)
@@ -160,10 +160,10 @@ def test_brace_alternatives_stay_inside_their_part():
 def test_per_source_accounting(two_sources, tmp_path):
     import sys
 
-    from datasvc.blend import SourceCounts, merge_source_stats
-    from datasvc.plan import EpochPlan
-    from datasvc.process import ItemProcessor
+    from datasvc.pack.plan import EpochPlan
+    from datasvc.read.blend import SourceCounts, merge_source_stats
     from datasvc.samples import real_photos
+    from datasvc.stream.process import ItemProcessor
 
     sys.path.insert(0, os.path.dirname(__file__))
     from test_formats import write_img2dataset_shard

@@ -5,9 +5,9 @@ import pytest
 
 from datasvc.batch import EncodedSample
 from datasvc.config import ServiceConfig
-from datasvc.packing import PackingConfig, pack
-from datasvc.plan import EpochPlan, sample_token_counts, size_blocks
-from datasvc.shards import expand_shards, index_shard
+from datasvc.pack.packing import PackingConfig, pack
+from datasvc.pack.plan import EpochPlan, sample_token_counts, size_blocks
+from datasvc.read.shards import expand_shards, index_shard
 
 SEQ = 1024
 
@@ -72,7 +72,7 @@ def test_padded_rows_size_blocks_by_samples_without_probing(photo_shards):
 
 
 def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch):
-    import datasvc.plan as plan
+    import datasvc.pack.plan as plan
 
     indexed = []
     real_index = plan.index_shard
@@ -90,7 +90,7 @@ def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch
 def test_probe_reads_more_small_shards_until_it_has_its_samples(tmp_path, monkeypatch):
     """Four-sample shards: eight of them hold 32 samples, so the probe takes shards until its 64
     are in hand (16 of 24), and no more than ``max_probe_shards``."""
-    import datasvc.plan as plan
+    import datasvc.pack.plan as plan
     from datasvc.samples import write_photo_shards
 
     shards = write_photo_shards(str(tmp_path), samples_per_shard=4, copies=4)

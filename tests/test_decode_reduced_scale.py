@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datasvc import jpegscale
-from datasvc.decode import CpuDecoder, DecodeJob, probe
+from datasvc.media import jpegscale
+from datasvc.media.decode import CpuDecoder, DecodeJob, probe
+from datasvc.media.vision import FrameRows, VisionSpec
 from datasvc.samples import real_photos
-from datasvc.vision import FrameRows, VisionSpec
 from test_hf_equivalence import MAX_MAD, ours, reference
 
 CAPS = (512 * 512, 1024 * 1024)
@@ -200,8 +200,9 @@ def test_bad_option_is_refused():
 
 def test_the_option_reaches_the_actors_from_the_config(photo_shards):
     from datasvc.config import ServiceConfig
-    from datasvc.process import ItemProcessor, WorkItem
-    from datasvc.shards import index_shard
+    from datasvc.read.shards import index_shard
+    from datasvc.stream.process import ItemProcessor
+    from datasvc.wire import WorkItem
 
     idx = index_shard(photo_shards[0])
     item = WorkItem(idx.path, 0, tuple(idx.samples))

@@ -194,3 +194,67 @@ def test_the_scripts_ray_start_lines_make_a_two_node_cluster():
             time.sleep(0.5)
         shutil.rmtree(tmp, ignore_errors=True)
     assert _pids_using(tmp) == []
+
+
+def documented_command_lines(program: str) -> list[tuple[str, str]]:
+    """(where, the arguments after ``program``) for each command line the docs show in a code block,
+    the Slurm script runs, or the manifest's entrypoint holds; shell variables take the script's
+    defaults (and its header's example for TRAIN_ARGS)."""
+    found = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        lines = doc.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("    ") and program in line:
+                text = line
+                while text.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    text = text[:-1] + " " + lines[i].strip()
+                found.append((f"{doc.name}:{i + 1}", text.split(program, 1)[1]))
+    entry = next(d for d in yaml.safe_load_all(RAYJOB.read_text()) if d["kind"] == "RayJob")["spec"]["entrypoint"]
+    if program in entry:
+        found.append(("rayjob.yaml entrypoint", entry.split(program, 1)[1]))
+    script = SBATCH.read_text()
+    call = re.search(re.escape(program) + r"(.*?)(?<!\\)\n", script, re.S).group(1).replace("\\\n", " ")
+    defaults = dict(re.findall(r'"\$\{(\w+):=([^}]*)\}"', script))
+    example = re.search(r'TRAIN_ARGS="([^"]*)"', script).group(1)
+    for name, train_args in (("default", defaults["TRAIN_ARGS"]), ("header example", example)):
+        text = re.sub(r'"?\$\{?(\w+)\}?"?', lambda m: train_args if m.group(1) == "TRAIN_ARGS" else
+                      defaults.get(m.group(1), "/x"), call)
+        found.append((f"slurm.sbatch ({name} TRAIN_ARGS)", text))
+    return found
+
+
+def test_every_documented_trainer_command_line_parses():
+    import shlex
+
+    from trainer.run import parse_args
+
+    lines = documented_command_lines("python -m trainer.run ")
+    assert len(lines) >= 5
+    for where, text in lines:
+        argv = shlex.split(text.split(" &")[0])
+        try:
+            parse_args(argv)
+        except SystemExit as exc:
+            raise AssertionError(f"{where}: python -m trainer.run {text!r} does not parse") from exc
+
+
+def test_extras_the_docs_install_exist():
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = set()
+    for doc in [ROOT / "README.md", DEPLOY_MD, RAYJOB, SBATCH]:
+        named |= set(re.findall(r"\.\[(\w+)\]", doc.read_text()))
+    assert named and named <= extras, named - extras
+
+
+def test_the_manifest_header_lists_what_it_mounts():
+    manifest = list(yaml.safe_load_all(RAYJOB.read_text()))
+    header = RAYJOB.read_text().split("apiVersion:", 1)[0]
+    text = str(manifest)
+    for claim in re.findall(r"'claimName': '([\w-]+)'", text):
+        assert claim in header, f"the PVC {claim} is mounted but the header does not say to create it"
+    secrets = set(re.findall(r"'secretName': '([\w-]+)'|'secretKeyRef': \{'name': '([\w-]+)'", text))
+    for secret in {name for pair in secrets for name in pair if name}:
+        assert secret in header, f"{secret} is used but the header does not say to create it"

@@ -10,9 +10,10 @@ import pytest
 import webdataset as wds
 
 from datasvc.batch import IGNORE_INDEX
-from datasvc.process import WorkItem, process_item
+from datasvc.read.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
 from datasvc.samples import encode_image, real_photos
-from datasvc.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
+from datasvc.stream.process import process_item
+from datasvc.wire import WorkItem
 
 ENERGON = os.path.join(os.path.dirname(sys.executable), "energon")
 pytestmark = pytest.mark.skipif(not os.path.exists(ENERGON), reason="megatron-energon is not installed")
@@ -143,9 +144,9 @@ def test_unreadable_sample_types_fail_fast(captioning, tmp_path):
 
 
 def test_an_energon_metadataset_is_a_blend(captioning, vqa, tmp_path):
-    from datasvc.blend import parse_blend
     from datasvc.config import ServiceConfig
-    from datasvc.plan import EpochPlan
+    from datasvc.pack.plan import EpochPlan
+    from datasvc.read.blend import parse_blend
 
     mix = tmp_path / "mix.yaml"
     mix.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
@@ -158,3 +159,44 @@ def test_an_energon_metadataset_is_a_blend(captioning, vqa, tmp_path):
     order = plan.items(0, 0)
     assert {plan.blend.source_of(i) for i in order} == {"captions", "vqa"}
     assert sum(plan.blend.source_of(i) == "vqa" for i in order) == round(len(order) / 4)
+
+
+def hand_prepared(root, field_map: str, split_parts: str) -> None:
+    """A dataset's .nv-meta as ``energon prepare`` writes it, by hand: the schema and the splits."""
+    meta = root / ".nv-meta"
+    meta.mkdir(parents=True)
+    (meta / "dataset.yaml").write_text("sample_type:\n  __module__: megatron.energon\n  __class__: CaptioningSample\n"
+                                       f"field_map: {field_map}\n")
+    (meta / "split.yaml").write_text(f"split_parts: {split_parts}\nexclude: []\n")
+
+
+def alt_text_shards(directory, photos) -> None:
+    write_shards(str(directory), [{"__key__": n, "jpg": d, "txt": "the txt caption",
+                                   "json": json.dumps({"alt": "the alt text"})} for n, d, _ in photos[:3]])
+
+
+def captions(spec) -> set[str]:
+    return {raw.text for path in expand_shards([spec]) for raw in read_samples(path, index_shard(path).samples,
+                                                                               ReadLimits())}
+
+
+def test_a_schema_applies_to_the_dataset_named_and_says_so(tmp_path, photos, caplog):
+    root = tmp_path / "named"
+    alt_text_shards(root / "shards", photos)
+    hand_prepared(root, "{image: jpg, caption: 'json[alt]'}", "{train: [shards/part-0000.tar]}")
+    with caplog.at_level("INFO", logger="datasvc.read.energon"):
+        assert captions(str(root)) == {"the alt text"}
+    assert f"Energon dataset {root}, split 'train': 1 shards read as CaptioningSample" in caplog.text
+    assert "json[alt]" in caplog.text
+
+
+@pytest.mark.parametrize("named_by", ["glob", "path", "directory"])
+def test_a_stray_nv_meta_above_plain_shards_changes_nothing(tmp_path, photos, named_by):
+    """Shards named by their own path, a glob or their own directory are plain shards: a .nv-meta in
+    a parent directory (a dataset.yaml left there, another dataset's) does not replace their captions."""
+    root = tmp_path / "parent"
+    alt_text_shards(root / "deeper" / "shards", photos)
+    hand_prepared(root, "{image: jpg, caption: 'json[alt]'}", "{train: [deeper/shards/part-0000.tar]}")
+    shards = root / "deeper" / "shards"
+    spec = {"glob": f"{shards}/*.tar", "path": str(shards / "part-0000.tar"), "directory": str(shards)}[named_by]
+    assert captions(spec) == {"the txt caption"}

@@ -11,9 +11,9 @@ import pytest
 import ray
 
 from datasvc.config import ServiceConfig
-from datasvc.client import DataService
-from datasvc.service import EndOfData
-from datasvc.shards import index_shard
+from datasvc.read.shards import index_shard
+from datasvc.service.client import DataService
+from datasvc.service.feeder import EndOfData
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
 
@@ -109,7 +109,7 @@ def test_client_restart_from_checkpointed_state(photo_shards, ray_local, tmp_pat
 def test_restore_with_a_different_config_fails_fast(photo_shards, ray_local):
     import pytest
 
-    from datasvc.service import DataServiceError
+    from datasvc.service.feeder import DataServiceError
 
     svc = DataService(cfg(photo_shards), run=f"d{uuid.uuid4().hex[:6]}")
     try:
@@ -145,8 +145,8 @@ def test_actor_the_cluster_cannot_place_holds_no_work(photo_shards, ray_local):
 def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, ray_local):
     """ray.wait may report an actor's death before the result of the item it finished first: that
     item is delivered, and the death is charged to the item the actor died on."""
-    from datasvc.process import WorkItem
-    from datasvc.pool import ActorPool
+    from datasvc.service.pool import ActorPool
+    from datasvc.wire import WorkItem
 
     idx = index_shard(photo_shards[0])
     first, killer = (WorkItem(idx.path, i, (idx.samples[i],)) for i in (0, 1))
@@ -173,9 +173,9 @@ def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, 
 
 
 def test_items_redone_alone_run_on_an_idle_actor_with_nothing_behind_them(photo_shards, ray_local):
-    from datasvc.pool import ActorPool
-    from datasvc.process import WorkItem
-    from datasvc.recovery import Task
+    from datasvc.service.pool import ActorPool
+    from datasvc.stream.recovery import Task
+    from datasvc.wire import WorkItem
 
     idx = index_shard(photo_shards[0])
     pool = ActorPool(cfg(photo_shards, min_actors=1, max_actors=1), rank=0)
@@ -210,7 +210,7 @@ class _CannotStart:
 def test_actors_that_cannot_start_fail_fast_with_the_cause(photo_shards, ray_local):
     import pytest
 
-    from datasvc.service import DataServiceError, ActorPool
+    from datasvc.service.feeder import DataServiceError, ActorPool
 
     class Pool(ActorPool):
         def _new(self):
@@ -230,7 +230,7 @@ def test_shutdown_leaves_no_feeder_behind(photo_shards, ray_local):
     (as it must after a crash): a resurrected feeder and its actors would hold CPUs for good."""
     import pytest
 
-    from datasvc.service import DataServiceError, feeder_name
+    from datasvc.service.feeder import DataServiceError, feeder_name
 
     run = f"z{uuid.uuid4().hex[:6]}"
     # Streams forever with room to prefetch, so the client's thread is inside a next_batch call.
@@ -255,8 +255,8 @@ def test_restore_refuses_a_changed_shard_set_unless_asked_to_replan(photo_shards
 
     import pytest
 
-    from datasvc.producer import check_dataset
-    from datasvc.service import DataServiceError
+    from datasvc.service.feeder import DataServiceError
+    from datasvc.stream.producer import check_dataset
 
     data = tmp_path / "data"
     data.mkdir()

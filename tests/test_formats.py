@@ -9,10 +9,11 @@ import webdataset as wds
 
 from datasvc.batch import IGNORE_INDEX
 from datasvc.config import ServiceConfig
-from datasvc.filters import Rule, SampleRules, rules_from_flags
-from datasvc.process import WorkItem, process_item
+from datasvc.read.filters import Rule, SampleRules, rules_from_flags
+from datasvc.read.shards import RawSample, ReadLimits, index_shard, read_samples
 from datasvc.samples import encode_image, real_photos
-from datasvc.shards import RawSample, ReadLimits, index_shard, read_samples
+from datasvc.stream.process import process_item
+from datasvc.wire import WorkItem
 
 # Qwen3-VL-Instruct's chat template (its chat_template.json, not shipped in any installed package)
 # for what these samples use: no default system turn; per message "<|im_start|>role\n", the content
@@ -35,7 +36,7 @@ VS, VE, PAD = 151652, 151653, 151655
 def hf_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from datasvc.text import bundled_qwen3_tokenizer_dir
+    from pipelines.qwen3vl.data import bundled_qwen3_tokenizer_dir
 
     return PreTrainedTokenizerFast(tokenizer_file=os.path.join(bundled_qwen3_tokenizer_dir(), "tokenizer.json"))
 
@@ -130,7 +131,7 @@ def test_a_conversation_without_placeholders_gets_its_images_first(qwen3vl):
     ("a string", 0, "bad_conversation"),
 ])
 def test_broken_conversations_have_their_reason(qwen3vl, doc, n_images, reason):
-    from datasvc.text import SampleRejected
+    from datasvc.rejects import SampleRejected
 
     with pytest.raises(SampleRejected) as exc:
         qwen3vl.encode(RawSample("s", "k", [], None, doc), [(1, 2, 2)] * n_images)
@@ -231,7 +232,7 @@ def test_filters_are_part_of_the_fingerprint():
 def test_command_line_flags_become_rules():
     import argparse
 
-    from datasvc.filters import add_filter_flags, filters_from_flags
+    from datasvc.read.filters import add_filter_flags, filters_from_flags
 
     parser = argparse.ArgumentParser()
     add_filter_flags(parser)
@@ -240,8 +241,8 @@ def test_command_line_flags_become_rules():
     assert filters_from_flags(args) == ("similarity>=0.28", "status==success", "image_min_side>=64",
                                         "image_aspect<=3.0")
     assert filters_from_flags(parser.parse_args([])) == ()
-    with pytest.raises(ValueError, match="filter"):
-        filters_from_flags(parser.parse_args(["--filter", "similarity"]))
+    with pytest.raises(SystemExit):  # a malformed rule is refused while the flags are parsed
+        parser.parse_args(["--filter", "similarity"])
 
 
 @pytest.mark.parametrize("txt, doc, caption, conversation", [
@@ -252,10 +253,64 @@ def test_command_line_flags_become_rules():
     (None, {"messages": [], "similarity": 0.3}, None, True),
 ])
 def test_where_the_caption_comes_from(txt, doc, caption, conversation):
-    from datasvc.formats import attach_json
+    from datasvc.read.formats import attach_json
 
     raw = RawSample("plain.tar", "k", [], txt, None)
     attach_json(raw, doc)
     assert raw.text == (caption if caption is not None else txt)
     assert (raw.conversation is not None) == conversation
     assert raw.metadata == ({"similarity": 0.3} if conversation else doc)
+
+
+INVISIBLE = ["", "   \n", "\u200b", "\ufeff", "\u200b\u200c\u200d\u2060\u00ad \u200e", "\u202e\t\x00"]
+
+
+@pytest.mark.parametrize("text", INVISIBLE)
+def test_text_no_one_sees_is_no_caption_and_no_reply(qwen3vl, text):
+    """Zero-width and other format characters count as whitespace does: a caption or an assistant
+    reply made of them is missing_text, like an empty one, and a blank .txt falls back to the JSON's
+    caption."""
+    from datasvc.read.formats import attach_json
+    from datasvc.rejects import SampleRejected
+
+    reply = {"messages": [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": text}]}
+    second = {"conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A cat."},
+                                {"from": "human", "value": "And?"}, {"from": "gpt", "value": text}]}
+    for raw in (RawSample("s", "k", [], text, None), RawSample("s", "k", [], None, reply),
+                RawSample("s", "k", [], None, second)):
+        with pytest.raises(SampleRejected) as exc:
+            qwen3vl.encode(raw, [(1, 2, 2)])
+        assert exc.value.reason == "missing_text"
+    raw = RawSample("plain.tar", "k", [], text, None)
+    attach_json(raw, {"caption": "from json"})
+    assert raw.text == "from json"
+
+
+def test_a_caption_is_trained_without_its_byte_order_mark(qwen3vl):
+    """A .txt saved with a UTF-8 BOM trains the caption, not the mark as its first label token; a
+    joiner inside the caption (an emoji sequence) stays."""
+    plain, _ = qwen3vl.encode(RawSample("s", "k", [], "A cat \U0001F469\u200d\U0001F4BB.", None), [(1, 2, 2)])
+    ids, labels = qwen3vl.encode(RawSample("s", "k", [], "\ufeffA cat \U0001F469\u200d\U0001F4BB.\u200b\n", None),
+                                 [(1, 2, 2)])
+    assert ids.tolist() == plain.tolist()
+    trained = qwen3vl.tokenizer.decode([int(t) for t in labels if t != IGNORE_INDEX], skip_special_tokens=False)
+    assert trained == "A cat \U0001F469\u200d\U0001F4BB.<|im_end|>"
+
+
+def test_samples_with_nothing_to_train_are_counted_in_a_shard(tmp_path, qwen3vl, cpu_decoder):
+    photo = encode_image(real_photos()[0][1][..., :3])
+    empty_reply = {"conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": ""}]}
+    path = str(tmp_path / "text.tar")
+    with wds.TarWriter(path) as sink:
+        sink.write({"__key__": "bom", "jpg": photo, "txt": "\ufeffA rocket.".encode()})
+        sink.write({"__key__": "zero_width", "jpg": photo, "txt": "\u200b\u200b".encode()})
+        sink.write({"__key__": "spaces", "jpg": photo, "txt": b"   "})
+        sink.write({"__key__": "empty_reply", "jpg": photo, "json": json.dumps(empty_reply).encode()})
+    idx = index_shard(path)
+    res = process_item(WorkItem(path, 0, tuple(idx.samples)), qwen3vl, cpu_decoder)
+    assert [s.key for s in res.samples] == ["bom"]
+    assert {r.key: r.reason for r in res.accounting.log} == {
+        "zero_width": "missing_text", "spaces": "missing_text", "empty_reply": "missing_text"}
+    assert "assistant reply 1 of 1 is empty" in next(r.detail for r in res.accounting.log if r.key == "empty_reply")
+    trained = [int(t) for t in res.samples[0].labels if t != IGNORE_INDEX]
+    assert qwen3vl.tokenizer.decode(trained, skip_special_tokens=False) == "A rocket.<|im_end|>"

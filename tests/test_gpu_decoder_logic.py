@@ -8,11 +8,11 @@ import pytest
 import torch
 from PIL import Image
 
-from datasvc.decode import CpuDecoder, DecodeJob, probe
-from datasvc.gpudecode import GpuDecoder
-from datasvc.process import preprocess_images
+from datasvc.media.decode import CpuDecoder, DecodeJob, probe
+from datasvc.media.gpudecode import GpuDecoder
+from datasvc.media.vision import ImageRejected, VisionSpec, to_pixel_values
 from datasvc.samples import encode_image, real_photos
-from datasvc.vision import ImageRejected, VisionSpec, to_pixel_values
+from datasvc.stream.process import preprocess_images
 
 SPEC = VisionSpec(min_pixels=64 * 64, max_pixels=160 * 160)
 
@@ -106,7 +106,7 @@ def test_cut_files_rejected_before_either_decoder(blobs, decoders):
 
 
 def test_stage_times_reported(blobs, decoders):
-    from datasvc.process import StageTimes
+    from datasvc.stats import StageTimes
 
     times = StageTimes()
     preprocess_images(blobs[:5], SPEC, decoders[0], times)
@@ -219,7 +219,7 @@ def oriented_jpeg(img: np.ndarray, orientation: int) -> bytes:
 def test_orient_is_pils_exif_transpose(orientation):
     from PIL import ImageOps
 
-    from datasvc.imagefile import orient
+    from datasvc.media.imagefile import orient
 
     img = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
     exif = Image.Exif()
@@ -271,7 +271,7 @@ def test_pixel_values_of_oriented_photos_equal_their_upright_rows(decoders):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_patch_layout_on_the_gpu_equals_normalized_rows(blobs):
     """NVJPEG + DALI's GPU transpose make the patch order; the rows path is the reference."""
     gpu = GpuDecoder(device_id=0, num_threads=2, max_batch=4)
@@ -290,7 +290,7 @@ def test_feed_keeps_what_dali_reads_in_place_until_its_output_is_out(blobs):
     import gc
     import weakref
 
-    from datasvc.gpudecode import _Feed, _Slot
+    from datasvc.media.gpudecode import _Feed, _Slot
 
     jobs = jobs_for(blobs[:3])
     slot = _Slot(jobs, max_batch=2, room=2)

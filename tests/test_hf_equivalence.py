@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from datasvc.process import preprocess_images
+from datasvc.media.vision import FrameRows, ImageRejected, VisionSpec, smart_resize, to_pixel_values
 from datasvc.samples import real_photos
-from datasvc.vision import FrameRows, ImageRejected, VisionSpec, smart_resize, to_pixel_values
+from datasvc.stream.process import preprocess_images
 
 MAX_MAD = 0.02
 
@@ -19,7 +19,7 @@ MAX_MAD = 0.02
 def cpu_decoder(request):
     """The CPU decoder both ways: resizing in the actor, and leaving the last resize to the rank
     (whose client resizes torch tensors, as here)."""
-    from datasvc.decode import CpuDecoder
+    from datasvc.media.decode import CpuDecoder
 
     return CpuDecoder(num_threads=1, rank_resize=request.param == "rank")
 
@@ -144,7 +144,7 @@ def test_aspect_ratio_over_200_rejected():
 def test_pixel_rows_become_hf_pixel_values_on_numpy_and_torch():
     """The rows that travel are raster order; ``to_pixel_values`` alone puts them in the HF
     processor's patch order, the same on numpy (the CPU rank) and torch (the GPU rank)."""
-    from datasvc.vision import pixel_rows
+    from datasvc.media.vision import pixel_rows
 
     spec = VisionSpec(min_pixels=32 * 32, max_pixels=512 * 512)
     rng = np.random.default_rng(0)
@@ -174,7 +174,7 @@ def test_pixel_rows_become_hf_pixel_values_on_numpy_and_torch():
 def test_pixel_rows_become_the_same_pixel_values_on_cuda():
     """What every GPU rank runs on each micro-batch (``DataClient``): the CUDA path of
     ``to_pixel_values`` gives the CPU path's values (bfloat16 within one rounding step)."""
-    from datasvc.vision import pixel_rows
+    from datasvc.media.vision import pixel_rows
 
     spec = VisionSpec(min_pixels=32 * 32, max_pixels=2048 * 2048)
     rng = np.random.default_rng(1)
@@ -190,7 +190,7 @@ def test_pixel_rows_become_the_same_pixel_values_on_cuda():
 
 def rank_frames(spec: VisionSpec, photos) -> list:
     """(FrameRows, grid, HF's pixel_values) of each photo the rank-resizing decoder leaves a frame."""
-    from datasvc.decode import CpuDecoder
+    from datasvc.media.decode import CpuDecoder
 
     decoder, out = CpuDecoder(num_threads=1, rank_resize=True), []
     for data in photos:
@@ -204,7 +204,7 @@ def test_the_rank_resizes_mild_frames_and_the_actor_large_shrinks():
     """The decoder leaves a frame to the rank only within 2x its target's pixels (after halving):
     a photo near the default cap's size comes back as its frame, one shrunk 12x at a small cap as
     its finished rows, both at HF's values."""
-    from datasvc.decode import CpuDecoder
+    from datasvc.media.decode import CpuDecoder
 
     rng = np.random.default_rng(3)
     base = (rng.random((12, 16, 3)) * 255).astype(np.uint8)
@@ -226,8 +226,8 @@ def test_frames_left_to_the_rank_travel_uncopied_and_outlive_later_decodes():
     while the decoder goes on decoding other batches (DALI's dynamic executor never reuses a
     buffer a view holds); packed, it holds the same rows as a fresh decode of its photo."""
     from datasvc.batch import EncodedSample
-    from datasvc.decode import CpuDecoder
-    from datasvc.packing import PackingConfig, merge
+    from datasvc.media.decode import CpuDecoder
+    from datasvc.pack.packing import PackingConfig, merge
 
     spec = VisionSpec()
     photos = [jpeg(img) for _, img, _ in real_photos() if img.ndim == 3 and img.shape[2] == 3][:6]
@@ -252,7 +252,7 @@ def test_frames_left_to_the_rank_travel_uncopied_and_outlive_later_decodes():
 def test_hf_resize_gives_the_hf_processors_values():
     """``hf_resize`` (what a GPU rank runs on the frames it is left) is HF's own resize: on real
     photos it stays within a rounding step of the processor, far inside the equivalence bound."""
-    from datasvc.vision import hf_resize, pixel_rows
+    from datasvc.media.vision import hf_resize, pixel_rows
 
     spec = VisionSpec(max_pixels=1 << 20)
     photos = [jpeg(img) for _, img, _ in real_photos() if img.ndim == 3 and img.shape[2] == 3][:8]
@@ -270,8 +270,8 @@ def test_hf_resize_gives_the_hf_processors_values():
 def test_frames_and_rows_mixed_become_the_same_pixel_values_on_numpy_and_torch():
     """A micro-batch mixing finished rows and frames (``image_frame_hw``) gives each image the
     values it gets alone, on numpy and on CPU tensors (the client's path on a CPU-only rank)."""
-    from datasvc.jpegscale import fit_uint8
-    from datasvc.vision import finish_resize, frame_rows, pixel_rows
+    from datasvc.media.jpegscale import fit_uint8
+    from datasvc.media.vision import finish_resize, frame_rows, pixel_rows
 
     spec = VisionSpec(min_pixels=32 * 32, max_pixels=512 * 512)
     rng = np.random.default_rng(2)
@@ -377,7 +377,7 @@ def test_gif_bmp_tiff_match_hf(cpu_decoder, fmt):
 def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
     """``--decode gpu``: nvJPEG decodes the stored frame, the header's orientation is applied after
     the resize on the GPU; the result is HF's ``load_image`` + processor, as on the CPU path."""
-    from datasvc.gpudecode import GpuDecoder
+    from datasvc.media.gpudecode import GpuDecoder
 
     spec = VisionSpec(max_pixels=512 * 512)
     data = oriented("JPEG", orientation)
@@ -391,7 +391,7 @@ def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
 def test_cut_jpeg_rejected_on_the_gpu_decoder():
     """nvJPEG fills a cut JPEG with gray; the header probe rejects it before either decoder sees it."""
-    from datasvc.gpudecode import GpuDecoder
+    from datasvc.media.gpudecode import GpuDecoder
 
     whole = oriented("JPEG", 1)
     out = preprocess_images([whole[:5000], whole], VisionSpec(max_pixels=512 * 512),

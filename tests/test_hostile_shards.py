@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datasvc.process import WorkItem, encode_from_headers, process_item
+from datasvc.pack.headers import encode_from_headers
+from datasvc.read.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
 from datasvc.samples import encode_image, real_photos
-from datasvc.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
+from datasvc.stream.process import process_item
 from datasvc.tools.bench.hostile import add, convo, good, header_offset, write_links, write_tar
+from datasvc.wire import WorkItem
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_per_sample_exceptions_cost_only_their_sample(exception_shard, qwen3vl, 
 
 def test_block_sizing_and_inspect_survive_the_same_samples(exception_shard, qwen3vl, tmp_path):
     from datasvc.config import ServiceConfig
-    from datasvc.plan import sample_token_counts, size_blocks
+    from datasvc.pack.plan import sample_token_counts, size_blocks
     from datasvc.tools.inspect import inspect_shards
 
     cfg = ServiceConfig(shards=(exception_shard,), pipeline_options={"max_pixels": 256 * 256}, seq_len=1024)
@@ -101,6 +103,19 @@ def test_missing_shards_are_named_at_start(tmp_path, photo):
     with pytest.raises(NoShardsError, match="no shard files match"):
         expand_shards(str(tmp_path / "missing-{000..003}.tar"))
     assert expand_shards([real, str(tmp_path / "real-*.tar")]) == [real]
+    with pytest.raises(NoShardsError, match="pipe: URLs"):
+        expand_shards(f"pipe:cat {real}")
+    assert expand_shards(f"file://{real}") == [real]
+
+
+def test_a_directory_is_its_tars_sorted(tmp_path, photo):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    made = [write_tar(folder / name, good(name[:1], photo)) for name in ("b.tar", "a.tgz", "c.tar.gz")]
+    (folder / "notes.txt").write_text("not a shard")
+    (folder / "sub").mkdir()
+    write_tar(folder / "sub" / "d.tar", good("d", photo))  # only the folder's own files
+    assert expand_shards(str(folder)) == sorted(made)
 
 
 def test_gzip_shards_read_like_plain_ones(tmp_path, photo, qwen3vl, cpu_decoder):
@@ -127,7 +142,7 @@ def test_gzip_shards_read_like_plain_ones(tmp_path, photo, qwen3vl, cpu_decoder)
 
 
 def test_gzip_shard_larger_than_its_access_point_spacing(tmp_path):
-    from datasvc.tarscan import _SPACING
+    from datasvc.read.tarscan import _SPACING
 
     rng = np.random.default_rng(0)
     blobs = [rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for _ in range(3 * _SPACING // (1 << 20))]
@@ -276,8 +291,8 @@ def test_duplicate_members_and_repeated_keys(tmp_path, photo, qwen3vl, cpu_decod
 
 
 def test_importing_the_decoders_leaves_pils_limit_alone():
-    code = ("import PIL.Image as I; before = I.MAX_IMAGE_PIXELS; import datasvc.decode, datasvc.process, "
-            "datasvc.imagefile; assert I.MAX_IMAGE_PIXELS == before, I.MAX_IMAGE_PIXELS; print('ok')")
+    code = ("import PIL.Image as I; before = I.MAX_IMAGE_PIXELS; import datasvc.media.decode, datasvc.stream.process, "
+            "datasvc.media.imagefile; assert I.MAX_IMAGE_PIXELS == before, I.MAX_IMAGE_PIXELS; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
@@ -294,8 +309,8 @@ def png_header(w: int, h: int) -> bytes:
 
 
 def test_our_cap_decides_not_pils_process_wide_limit():
-    from datasvc.imagefile import probe
-    from datasvc.vision import ImageRejected
+    from datasvc.media.imagefile import probe
+    from datasvc.media.vision import ImageRejected
 
     before = Image.MAX_IMAGE_PIXELS
     big = png_header(20000, 10000)  # 200 MP: over twice PIL's default limit, which would raise

@@ -10,14 +10,15 @@ from collections import Counter
 import pytest
 from PIL import Image
 
-from datasvc.client import DataService
 from datasvc.config import ServiceConfig
-from datasvc.process import WorkItem, quarantine_item, split_item
-from datasvc.producer import BlockProducer, DataServiceError
-from datasvc.recovery import Recovery, Task
+from datasvc.read.shards import index_shard
 from datasvc.samples import encode_image, real_photos
-from datasvc.service import EndOfData
-from datasvc.shards import index_shard
+from datasvc.service.client import DataService
+from datasvc.service.feeder import EndOfData
+from datasvc.stream.process import quarantine_item, split_item
+from datasvc.stream.producer import BlockProducer, DataServiceError
+from datasvc.stream.recovery import Recovery, Task
+from datasvc.wire import WorkItem
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
 MiB = 1 << 20

@@ -28,20 +28,41 @@ FORBIDDEN = [
     ("pipelines", "datasvc.tools", "a pipeline does not depend on a user tool"),
     ("trainer", "datasvc.tools", "the trainer uses the product, not the tools"),
     ("trainer", "trainer.bench", "the trainer does not depend on its benchmarks"),
+    ("trainer", "pipelines", "the trainer reaches a model's facts by pipeline name (datasvc.registry.pipeline_part)"),
 ]
 ALLOWED = [  # importer prefix -> imported prefixes it may use despite FORBIDDEN above
     ("datasvc.registry", ("pipelines",)),
     ("datasvc.tools", ("datasvc.tools",)),
-    ("trainer.bench", ("trainer.bench", "datasvc.tools")),
+    ("trainer.bench", ("trainer.bench", "datasvc.tools", "pipelines")),
 ]
+# Model facts the trainer imports from one family, each a leak to move behind the registry (none left:
+# the trainer reaches every model fact through datasvc.registry); a new one fails the test.
+KNOWN_LEAKS: set[str] = set()
 # Files that are not the product: their size is not ratcheted.
 NOT_PRODUCT = ("datasvc/tools/", "trainer/bench/")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
-MODEL_PACKAGE = "pipelines/qwen3vl/"
-# Qwen3-VL's special token ids (151643-151656) and its vocabulary size.
-MODEL_NUMBER = re.compile(r"\b1516(4[3-9]|5[0-6])\b|\b151936\b")
+# Each family's special token ids and vocabulary size, and the package that alone may spell them:
+# Qwen3-VL's (151643-151656, 151936) and Qwen3.5-VL's (248044-248076, 248320).
+MODEL_NUMBERS = {
+    "pipelines/qwen3vl/": re.compile(r"\b1516(4[3-9]|5[0-6])\b|\b151936\b"),
+    "pipelines/qwen35vl/": re.compile(r"\b2480([4-6]\d|7[0-6])\b|\b248320\b"),
+}
 MAX_ACTOR_METHODS = 5
+# The data flows one way through datasvc's stages: shards are read, their media decoded, samples
+# tokenized and packed, a rank's stream produced, the Ray service carries it. A module imports its own
+# floor and those below, never a later stage; every product module of datasvc has a floor.
+DATA_FLOORS = {
+    "datasvc.usage": 0, "datasvc.rejects": 0, "datasvc.batch": 0, "datasvc.stats": 0,  # the types stages share
+    "datasvc.members": 0, "datasvc.remainder": 0, "datasvc.samples": 0,
+    "datasvc.read": 1,
+    "datasvc.media": 2,
+    "datasvc.config": 3, "datasvc.registry": 3, "datasvc.wire": 3,  # the data config, the model, a work item
+    "datasvc.pack": 4,
+    "datasvc.stream": 5,
+    "datasvc.service": 6,
+    "datasvc.training": 7,  # the training geometry: every stage's settings for one trainer
+}
 
 
 @dataclass
@@ -110,6 +131,27 @@ def wrong_directions(house: House) -> list[str]:
     return sorted(set(found))
 
 
+def data_floor(module: str) -> int | None:
+    found = [(len(prefix), floor) for prefix, floor in DATA_FLOORS.items() if _within(module, prefix)]
+    return max(found)[1] if found else None
+
+
+def uphill_stages(house: House) -> list[str]:
+    """Imports from a stage of datasvc to a later one, and datasvc modules placed on no floor."""
+    found = []
+    for importer, imported in house.imports.items():
+        if not _within(importer, "datasvc") or _within(importer, "datasvc.tools") or importer == "datasvc":
+            continue
+        floor = data_floor(importer)
+        if floor is None:
+            found.append(f"{importer}: on no floor of DATA_FLOORS")
+            continue
+        for target in sorted(t for t in imported if t in house.modules and data_floor(t) is not None):
+            if data_floor(target) > floor:
+                found.append(f"{importer} (floor {floor}) imports {target} (floor {data_floor(target)})")
+    return found
+
+
 def cycles(house: House) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan). Lazy imports count: an
     import moved into a function to dodge a loop leaves the two modules depending on each other."""
@@ -172,10 +214,8 @@ def model_numbers_outside_model(root: Path, house: House) -> list[str]:
     found = []
     for path in house.modules.values():
         rel = path.relative_to(root).as_posix()
-        if rel.startswith(MODEL_PACKAGE):
-            continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
-            if MODEL_NUMBER.search(line):
+            if any(number.search(line) and not rel.startswith(package) for package, number in MODEL_NUMBERS.items()):
                 found.append(f"{rel}:{i}: {line.strip()}")
     return found
 
@@ -219,7 +259,16 @@ def house() -> House:
 
 
 def test_imports_point_one_way(house):
-    assert wrong_directions(house) == []
+    found = wrong_directions(house)
+    leaks = {f.split(" imports ")[0] for f in found if " imports pipelines." in f} & KNOWN_LEAKS
+    assert [f for f in found if f.split(" imports ")[0] not in KNOWN_LEAKS or " imports pipelines." not in f] == []
+    assert leaks == KNOWN_LEAKS, f"fixed, so drop from KNOWN_LEAKS: {sorted(KNOWN_LEAKS - leaks)}"
+
+
+def test_data_stages_import_only_earlier_stages(house):
+    assert uphill_stages(house) == []
+    assert {m.split(".")[1] for m in house.modules if m.count(".") >= 2 and _within(m, "datasvc")} >= {
+        "read", "media", "pack", "stream", "service"}, "the stages are packages"
 
 
 def test_no_import_cycles(house):
@@ -251,15 +300,21 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 @pytest.fixture
 def broken_tree(tmp_path) -> Path:
-    for pkg in ("datasvc", "datasvc/tools", "pipelines", "pipelines/qwen3vl", "trainer"):
+    for pkg in ("datasvc", "datasvc/tools", "pipelines", "pipelines/qwen3vl", "pipelines/qwen35vl", "trainer"):
         _write(tmp_path, f"{pkg}/__init__.py", "")
-    _write(tmp_path, "datasvc/shards.py", "from trainer.run import main\n")  # wrong direction
+    _write(tmp_path, "datasvc/read/shards.py", "from trainer.run import main\n")  # wrong direction
     _write(tmp_path, "datasvc/a.py", "from datasvc import b\n")  # a <-> b
     _write(tmp_path, "datasvc/b.py", "import datasvc.a\n")
     _write(tmp_path, "datasvc/lazy.py", "def f():\n    from datasvc import tools\n")  # lazy, still wrong
-    _write(tmp_path, "datasvc/tools/inspect.py", "from datasvc import shards\nfrom datasvc.tools import x\n")
+    _write(tmp_path, "datasvc/tools/inspect.py", "from datasvc.read import shards\nfrom datasvc.tools import x\n")
     _write(tmp_path, "datasvc/tools/x.py", "")
-    _write(tmp_path, "pipelines/qwen3vl/data.py", "PAD = 151643\nfrom datasvc import shards\n")
+    _write(tmp_path, "datasvc/media/decode.py", "from datasvc.stream.process import WorkItem\n")  # a later stage
+    _write(tmp_path, "datasvc/stream/process.py", "from datasvc.media import decode\n")
+    _write(tmp_path, "datasvc/stray.py", "")  # on no floor
+    _write(tmp_path, "pipelines/qwen3vl/data.py", "PAD = 151643\nfrom datasvc.read import shards\n")
+    _write(tmp_path, "trainer/cpu.py", "from pipelines.qwen35vl.data import TOKENS\n")  # a model fact, leaked
+    _write(tmp_path, "pipelines/qwen35vl/data.py", "PAD = 248044\n")
+    _write(tmp_path, "pipelines/qwen3vl/arch.py", "VOCAB = 248320\n")  # another family's number
     _write(tmp_path, "trainer/run.py", "import datasvc.a\nIMAGE_PAD = 151655\n"
            "def long():\n" + "    x = 1\n" * 90)
     return tmp_path
@@ -267,17 +322,27 @@ def broken_tree(tmp_path) -> Path:
 
 def test_checker_flags_a_wrong_direction(broken_tree):
     found = wrong_directions(read_house(broken_tree))
-    assert any(f.startswith("datasvc.shards imports trainer.run") for f in found), found
+    assert any(f.startswith("datasvc.read.shards imports trainer.run") for f in found), found
     assert any(f.startswith("datasvc.lazy imports datasvc.tools") for f in found), found
+    assert any(f.startswith("trainer.cpu imports pipelines.qwen35vl.data") for f in found), found
     # The allowed directions stay quiet: tools -> product, pipeline -> product, trainer -> product.
-    assert not any(f.startswith(("datasvc.tools.", "pipelines.", "trainer.")) for f in found), found
+    assert not any(f.startswith(("datasvc.tools.", "pipelines.", "trainer.run")) for f in found), found
+
+
+def test_checker_flags_an_uphill_stage(broken_tree):
+    found = uphill_stages(read_house(broken_tree))
+    assert "datasvc.media.decode (floor 2) imports datasvc.stream.process (floor 5)" in found, found
+    assert "datasvc.stray: on no floor of DATA_FLOORS" in found, found
+    assert not any(f.startswith("datasvc.stream.process ") for f in found), found  # downhill is fine
 
 
 def test_checker_flags_a_cycle(broken_tree):
-    assert cycles(read_house(broken_tree)) == [["datasvc.a", "datasvc.b"]]
+    assert cycles(read_house(broken_tree)) == [["datasvc.a", "datasvc.b"],
+                                               ["datasvc.media.decode", "datasvc.stream.process"]]
 
 
 def test_checker_flags_size_and_model_numbers(broken_tree):
     house = read_house(broken_tree)
     assert [f.split(":")[0] for f in oversized(broken_tree, house)] == ["trainer/run.py"]
-    assert model_numbers_outside_model(broken_tree, house) == ["trainer/run.py:2: IMAGE_PAD = 151655"]
+    assert sorted(model_numbers_outside_model(broken_tree, house)) == [
+        "pipelines/qwen3vl/arch.py:1: VOCAB = 248320", "trainer/run.py:2: IMAGE_PAD = 151655"]

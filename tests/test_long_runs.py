@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from datasvc.shards import index_shard
+from datasvc.read.shards import index_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,9 +18,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = r"""
 import json, os, sys, uuid
 import psutil, ray
-from datasvc.client import DataService
-from datasvc.cluster import connect
 from datasvc.config import ServiceConfig
+from datasvc.service.client import DataService
+from datasvc.service.cluster import connect
 
 shards, temp = sys.argv[1:-1], sys.argv[-1]
 connect(num_cpus=2, object_store_memory=200 * 2**20, temp_dir=temp)
@@ -87,7 +87,7 @@ def test_loopback_check_itself():
 JOIN = r"""
 import os, sys
 import ray
-from datasvc.cluster import connect
+from datasvc.service.cluster import connect
 
 connect(sys.argv[1])
 print("RESULT", ray.get(ray.remote(lambda: os.getpid()).remote()) > 0)

@@ -44,6 +44,9 @@ def _megatron_importable() -> tuple[bool, str]:
 
 _OK, _WHY = _megatron_importable()
 needs_bridge = pytest.mark.skipif(not _OK, reason=_WHY)
+# What MRoPE reads from a Qwen3-VL model's Bridge provider: its vision token ids and merge size.
+QWEN3VL_IDS = SimpleNamespace(spatial_merge_size=2, image_token_id=151655, video_token_id=151656,
+                              vision_start_token_id=151652)
 
 
 def proxy(**sections) -> TrainerConfig:
@@ -132,8 +135,8 @@ def test_padded_mode_allows_attention_graphs():
 def mb():
     if not _OK:
         pytest.skip(_WHY)
-    from trainer.megatron import container, loop, metrics, step, thd
-    return SimpleNamespace(container=container, loop=loop, metrics=metrics, step=step, thd=thd)
+    from trainer.megatron import container, loop, metrics, provider, step, thd
+    return SimpleNamespace(container=container, loop=loop, metrics=metrics, provider=provider, step=step, thd=thd)
 
 
 def _finalized(mb, cfg: TrainerConfig, world: int, monkeypatch):
@@ -178,9 +181,9 @@ def test_wgrad_fusion_needs_apex(mb, monkeypatch):
     # Bridge turns gradient-accumulation fusion on whenever Transformer Engine imports, but the
     # Qwen3-VL output layer (a plain ColumnParallelLinear) then refuses to build without APEX's
     # fused_weight_gradient_mlp_cuda: the model build failed that way on the H200.
-    monkeypatch.setattr(mb.container, "_has_apex_wgrad_fusion", lambda: False)
+    monkeypatch.setattr(mb.provider, "has_apex_wgrad_fusion", lambda: False)
     assert mb.container.build_provider(proxy()).gradient_accumulation_fusion is False
-    monkeypatch.setattr(mb.container, "_has_apex_wgrad_fusion", lambda: True)
+    monkeypatch.setattr(mb.provider, "has_apex_wgrad_fusion", lambda: True)
     assert mb.container.build_provider(proxy()).gradient_accumulation_fusion is True
 
 
@@ -199,7 +202,7 @@ def test_dataset_helper_compile_is_skipped(mb, monkeypatch, caplog):
     assert commands and commands[0][0] == "make"
 
     commands.clear()
-    mb.loop.skip_dataset_helper_compile()
+    mb.provider.skip_dataset_helper_compile()
     with caplog.at_level(logging.INFO, logger="vlmfeed.megatron"):
         assert bridge_init.compile_helpers() is None  # no exit
     assert commands == []  # and no make
@@ -372,7 +375,7 @@ def test_mrope_restarts_per_sample(mb, batch):
 
     b, samples = batch
     p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
-    pos = mb.thd.mrope_position_ids(p, b["image_grid_thw"])
+    pos = mb.thd.mrope_position_ids(p, QWEN3VL_IDS, b["image_grid_thw"])
     assert pos.shape == (3, 1, 96)
     for (a, e), (tk, _, grids) in zip(p.sample_spans, samples):
         assert pos[:, 0, a].tolist() == [0, 0, 0]  # restarts
@@ -386,7 +389,7 @@ def test_mrope_restarts_per_sample(mb, batch):
     # Same under the CP layout (padding between samples).
     q = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
                     segment_multiple=4, total_multiple=4)
-    qpos = mb.thd.mrope_position_ids(q, b["image_grid_thw"])
+    qpos = mb.thd.mrope_position_ids(q, QWEN3VL_IDS, b["image_grid_thw"])
     for (a, e), (pa, pe) in zip(q.sample_spans, p.sample_spans):
         assert torch.equal(qpos[:, 0, a:e], pos[:, 0, pa:pe])
 
@@ -460,7 +463,7 @@ def test_per_sample_losses(mb):
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: the packed-vs-alone proof on a real model (device machine only)
+# GPU: the packed-vs-alone proof on a real model (a GPU box only)
 # ------------------------------------------------------------------------------------------------
 @needs_bridge
 @pytest.mark.gpu
@@ -484,7 +487,7 @@ def test_the_video_proof_row_is_what_bridges_model_takes(mb):
     batch = rows_to_batch([proof_samples(rng, with_video=True)], 4096, torch.device("cpu"), rng)
     packed = mb.thd.pack_thd(batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"],
                              batch["num_samples"])
-    positions = mb.thd.mrope_position_ids(packed, batch["image_grid_thw"], 2, batch["video_grid_thw"])
+    positions = mb.thd.mrope_position_ids(packed, QWEN3VL_IDS, batch["image_grid_thw"], batch["video_grid_thw"])
     assert positions.shape == (3, 1, packed.tokens.shape[1])
     data, grids, mask = reorganize_inputs(packed.tokens, batch["pixel_values"], batch["pixel_values_videos"],
                                           batch["image_grid_thw"], batch["video_grid_thw"])
@@ -502,6 +505,7 @@ def test_packed_row_with_video_matches_samples_alone():
     assert report["ok"] and report["video_grids"] == [[4, 16, 16], [2, 20, 12]], report
 
 
+@needs_bridge
 def test_timed_forward_step_keeps_the_signature_bridge_injects_state_by():
     from megatron.bridge.training.utils.train_utils import needs_global_state_injection
 
@@ -512,7 +516,7 @@ def test_timed_forward_step_keeps_the_signature_bridge_injects_state_by():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_forward_clock_times_each_forward_once_per_drain():
     from trainer.megatron.metrics import ForwardClock
 

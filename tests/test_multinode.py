@@ -25,12 +25,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from datasvc.client import DataClient, DataService
 from datasvc.config import ServiceConfig
-from datasvc.locality import Budget, replica_nodes, this_node
-from datasvc.producer import BlockProducer
-from datasvc.service import EndOfData
-from datasvc.shards import index_shard
+from datasvc.read.shards import index_shard
+from datasvc.service.client import DataClient, DataService
+from datasvc.service.feeder import EndOfData
+from datasvc.service.locality import Budget, replica_nodes, this_node
+from datasvc.stream.producer import BlockProducer
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
 # Node deaths noticed in about two seconds instead of Ray's default half minute.
@@ -256,7 +256,7 @@ def driver_core_log(temp_dir: str, pid: int) -> str:
 
 
 def test_unreachable_head_tells_a_listening_gcs_from_a_closed_port(monkeypatch):
-    from datasvc import cluster
+    from datasvc.service import cluster
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -273,8 +273,8 @@ def test_unreachable_head_tells_a_listening_gcs_from_a_closed_port(monkeypatch):
 HEAD_LOSS_DRIVER = textwrap.dedent("""
     import json, os, sys, time
     import ray
-    from datasvc.client import DataService
     from datasvc.config import ServiceConfig
+    from datasvc.service.client import DataService
     address, cfg_json, out = sys.argv[1:4]
     ray.init(address=address)
     config = ServiceConfig(**json.loads(cfg_json))

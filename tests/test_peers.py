@@ -27,7 +27,7 @@ def own_ray(tmp_path_factory):
     started on this host is never joined)."""
     import ray
 
-    from datasvc.cluster import connect
+    from datasvc.service.cluster import connect
 
     connect(num_cpus=2, object_store_memory=400 * 1024 * 1024, temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
@@ -188,7 +188,7 @@ def test_each_training_case_is_a_valid_trainer_job(path, setting):
 def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):
     from trainer.bench import peers_plot
 
-    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200" / "peers-train-mbs2-mbs4"
+    runs = Path(__file__).resolve().parent / "data" / "recorded" / "h200" / "peers-train-mbs2-mbs4"
     train = peers_plot.load_train([str(runs / "bench-peers-train-mbs2.json"), str(runs / "bench-peers-train-mbs4.json")])
     assert sorted(train) == [2, 4] and "vlmfeed-gpu" not in train[4]  # cut by the deadline: left out, not zero
     out = tmp_path / "peers.png"

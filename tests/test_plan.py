@@ -1,4 +1,4 @@
-"""The memory planner against every peak recorded in docs/results, and its answers across GPU counts."""
+"""The memory planner against every peak recorded on the H200 (tests/data/recorded), and its answers across GPU counts."""
 from __future__ import annotations
 
 import functools
@@ -15,13 +15,13 @@ from trainer.plan import Workload, fit_auto, nearest_fits, plan_job
 from trainer.plan.__main__ import main as plan_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "docs", "results")
+RESULTS = os.path.join(ROOT, "tests", "data", "recorded")  # the H200 runs the planner is held to
 H200_GIB = 141  # CUDA reported 139.80 GiB total in the recorded OOM messages
 # Image tokens / real tokens of the bundled photo crops at the GPU path's 1 MP cap (~251 image
 # tokens and ~30 text tokens a sample); the calibrated synthetic set matches it, the mock has none.
 IMAGE_SHARE = {"real": 0.89, "synthetic": 0.89, "mock": 0.0}
 
-# Every training case with a peak in docs/results: all on the 4-layer proxy with all 128 experts
+# Every training case with a peak in tests/data/recorded: all on the 4-layer proxy with all 128 experts
 # (trainer.bench ran `--num-layers 4 --seq-len 4096` on the full preset), full 27-layer vision tower.
 # (results file, strategy, source, MBS, recompute, vision chunk patches, expandable segments, GPUs,
 #  EP, vision frozen, real-token fraction of the step that peaked, measured peak_mem_gib).
@@ -86,7 +86,7 @@ RECORDED = [
 # The depth-faithful proxy (48 layers, 16 experts) as issue 18 quotes it, one H200, 3d, full
 # recompute, 32k-patch chunks: "peaks about 112 and 128 GiB" (no results file holds these runs).
 QUOTED = [("qwen3vl-30b-a3b-depth-proxy", 2, 112.0), ("qwen3vl-30b-a3b-depth-proxy", 4, 128.0)]
-# Runs that ran out of memory on one H200 (docs/benchmarks.md), each with the text in docs/results
+# Runs that ran out of memory on one H200 (docs/benchmarks/mbs-sweep-and-large-micro-batches.md), each with the text in tests/data/recorded
 # that records it: (evidence, strategy, MBS, recompute, vision chunk patches, expandable segments, fill)
 OUT_OF_MEMORY = [
     ("Tried to allocate 54.75 GiB", "3d", 8, "full", 0, False, 1.0),  # vision attention backward
@@ -105,7 +105,7 @@ def _results_files():
 
 @functools.cache
 def recorded_peaks() -> dict[str, set[float]]:
-    """Every case's peak_mem_gib in docs/results, by file name (folders may be reorganized)."""
+    """Every case's peak_mem_gib in tests/data/recorded, by file name (folders may be reorganized)."""
     out: dict[str, set[float]] = {}
     for path in _results_files():
         if not path.endswith(".json"):
@@ -309,7 +309,16 @@ def test_run_fit_auto_rewrites_the_options_to_what_fits():
     assert kept.model_preset == "qwen3vl-30b-a3b"
     off = parse_args(["qwen3vl", "--world-size", "1", "--gpu-memory-gib", "80", "--fit", "off"])
     plan_gate_declared(off)
-    assert off.model_preset == "qwen3vl-30b-a3b"
+    assert from_args(off).model.preset == "qwen3vl-30b-a3b"  # the pipeline's own, untouched
+
+
+def test_fit_auto_climbs_down_the_pipelines_own_presets():
+    from trainer.plan.gate import plan_gate_declared
+    from trainer.run import parse_args
+
+    args = parse_args(["qwen35vl", "--world-size", "1", "--gpu-memory-gib", "141"])
+    plan_gate_declared(args)
+    assert args.model_preset.startswith("qwen35vl-35b-a3b-") and args.model_preset.endswith("-proxy")
 
 
 def test_gpu_memory_from_the_clusters_gpu_type():

@@ -164,7 +164,7 @@ def test_calibrated_synthetic_costs_what_real_photos_cost(photo_shards, tmp_path
     cheapest of five rounds per sample, and compared as a ratio per megapixel, so load from other
     work on the machine largely cancels out.
     """
-    from datasvc.shards import index_shard
+    from datasvc.read.shards import index_shard
     from datasvc.tools.synth import calibrate, write_shards
 
     n_real = sum(len(index_shard(p).samples) for p in photo_shards)
@@ -213,19 +213,20 @@ def test_blocks_are_sized_and_chained_like_training_by_default(photo_shards):
     """Blocks are sized as trainer.run sizes them, span epochs and pack in chains, unless a fixed
     size is forced. A sized block may hold more than an epoch of a small set; cut at each epoch
     boundary, its rows would stay part empty."""
-    from datasvc.plan import TRAINING_CHAIN_BLOCKS, EpochPlan, size_blocks
+    from datasvc.pack.plan import EpochPlan, size_blocks
+    from datasvc.read.shards import index_shard
     from datasvc.registry import pipeline_module
-    from datasvc.shards import index_shard
+    from datasvc.training import CHAIN_BLOCKS
 
     default = Settings(shards=photo_shards, samples_per_item=4).config(8, 1)
     expected, _ = size_blocks(dataclasses.replace(default, items_per_block=1), 8)
     assert default.items_per_block == expected.items_per_block > 1
-    assert default.blocks_span_epochs and default.chain_blocks == TRAINING_CHAIN_BLOCKS
+    assert default.blocks_span_epochs and default.chain_blocks == CHAIN_BLOCKS
     sized = Settings(shards=photo_shards, samples_per_item=4, block_micro_batches=64).config(8, 1)
     per_epoch = len(EpochPlan(sized, [index_shard(p) for p in photo_shards]).items(0, 0))
     assert sized.items_per_block > per_epoch
     fixed = Settings(shards=photo_shards, items_per_block=3).config(8, 1)
-    assert fixed.items_per_block == 3 and fixed.chain_blocks == TRAINING_CHAIN_BLOCKS
+    assert fixed.items_per_block == 3 and fixed.chain_blocks == CHAIN_BLOCKS
     assert Settings(shards=photo_shards, chain_blocks=1).config(8, 1).chain_blocks == 1
     # The demand side reads the FLOP model through the registry, as the command line does.
     assert pipeline_module("qwen3vl").flops_model("qwen3vl-30b-a3b") == PRESETS["qwen3vl-30b-a3b"]
@@ -235,7 +236,7 @@ def test_blocks_are_sized_and_chained_like_training_by_default(photo_shards):
 def test_bad_block_options_fail_fast(photo_shards, capsys, flag):
     with pytest.raises(SystemExit):
         profile_main([*photo_shards, flag, "0"])
-    assert f"{flag} must be >= 1" in capsys.readouterr().err
+    assert f"argument {flag}: must be >= 1, not 0" in capsys.readouterr().err
 
 
 def test_compare_warns_when_blocks_differ_in_samples():
@@ -308,4 +309,4 @@ def test_an_image_heavy_mix_gets_no_video_verdict(video_report):
 def test_video_sampling_options_reach_the_pipeline():
     s = Settings(shards=["x.tar"], video_fps=1.0, video_max_pixels=64 * 32 * 32, items_per_block=1)
     opts = s.config(1, 1).pipeline_options
-    assert opts == {"video_fps": 1.0, "video_max_pixels": 64 * 32 * 32}
+    assert opts == {"video_fps": 1.0, "video_max_pixels": 64 * 32 * 32, "max_pixels": 1024 * 1024}  # a GPU run's cap

@@ -9,9 +9,9 @@ import pytest
 import ray
 
 from datasvc.config import ServiceConfig
-from datasvc.client import DataService
-from datasvc.service import DataServiceError, EndOfData
-from datasvc.shards import NoShardsError
+from datasvc.read.shards import NoShardsError
+from datasvc.service.client import DataService
+from datasvc.service.feeder import DataServiceError, EndOfData
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
 
@@ -24,7 +24,7 @@ def config(shards, **kw):
 
 
 def expected_keys(shards):
-    from datasvc.shards import index_shard
+    from datasvc.read.shards import index_shard
 
     return Counter(f"{s}/{x.key}" for s in shards for x in index_shard(s).samples)
 

@@ -1,4 +1,4 @@
-"""The shared sizes index of vision-balanced planning (``datasvc.sizes``): the plan from the index
+"""The shared sizes index of vision-balanced planning (``datasvc.pack.sizes``): the plan from the index
 is the plan from headers, bit for bit; a feeder that finds every shard indexed reads no header to
 plan; hostile shards keep every rejection and its reason; a changed setting or a damaged entry is
 planned from headers again."""
@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from datasvc.balanced import BalancedProducer
 from datasvc.config import ServiceConfig
-from datasvc.plan import EpochPlan
+from datasvc.pack.plan import EpochPlan
+from datasvc.pack.sizes import HeaderProcessor, SizesIndex, build_index
 from datasvc.samples import encode_image, real_photos
-from datasvc.sizes import HeaderProcessor, SizesIndex, build_index
+from datasvc.stream.balanced import BalancedProducer
 from datasvc.tools.bench.hostile import write_hostile_set
 from tests.test_balance import stream_config, write_mixed_shards
 
@@ -54,8 +54,8 @@ def test_the_plan_from_the_index_is_the_plan_from_headers(mixed_shards, tmp_path
     def no_tar_scan(*_a, **_k):
         raise AssertionError("a tar was scanned to list its samples")
 
-    monkeypatch.setattr("datasvc.process.encode_from_headers", no_headers)
-    monkeypatch.setattr("datasvc.listings.index_shard", no_tar_scan)
+    monkeypatch.setattr("datasvc.pack.headers.encode_from_headers", no_headers)
+    monkeypatch.setattr("datasvc.read.listings.index_shard", no_tar_scan)
     second = BalancedProducer(indexed, 1)
     same([(b.sample_keys, b.tokens.copy(), b.image_grid_thw.copy(), p) for b, p in second.micro_batches()],
          reference)
@@ -114,7 +114,7 @@ def test_vlmfeed_sizes_fills_the_index_a_balanced_job_reads(mixed_shards, tmp_pa
     assert json.loads(done.stdout)["built"] == len(mixed_shards) and "shards indexed" in done.stderr
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout)
     assert again["built"] == 0 and again["already_there"] == len(mixed_shards)
-    monkeypatch.setattr("datasvc.process.encode_from_headers", lambda *a, **k: pytest.fail("header read"))
+    monkeypatch.setattr("datasvc.pack.headers.encode_from_headers", lambda *a, **k: pytest.fail("header read"))
     cfg = dataclasses.replace(stream_config(mixed_shards), sizes_index=str(out))
     producer = BalancedProducer(cfg, 0)
     assert len(list(producer.micro_batches())) > 0
@@ -124,8 +124,8 @@ def test_vlmfeed_sizes_fills_the_index_a_balanced_job_reads(mixed_shards, tmp_pa
 def test_a_kept_listing_is_the_tar_scan_and_is_dropped_when_the_shard_changes(tmp_path, caplog):
     """Hostile shards (truncated, repeated keys, damaged headers, unsafe names) list the same from the
     directory as from their tar; a rewritten shard or a damaged entry is scanned again."""
-    from datasvc.listings import ShardListings, index_shards
-    from datasvc.shards import index_shard
+    from datasvc.read.listings import ShardListings, index_shards
+    from datasvc.read.shards import index_shard
 
     photo = encode_image(real_photos()[1][1])
     good = write_mixed_shards(tmp_path / "good", n=16, seed=3)[0]

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datasvc import storage
-from datasvc.process import WorkItem, process_item
+from datasvc.read import storage
+from datasvc.read.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
 from datasvc.samples import write_photo_shards
-from datasvc.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
+from datasvc.stream.process import process_item
+from datasvc.wire import WorkItem
 
 moto_server = pytest.importorskip("moto.server")
 BUCKET = "vlmfeed-test"
@@ -149,6 +150,56 @@ def test_listing_by_glob_and_braces(s3):
         expand_shards([url(s3["local"][0]), f"s3://{BUCKET}/shards/missing.tar"])
 
 
+def test_a_bucket_folder_is_its_tars(s3):
+    assert expand_shards([f"s3://{BUCKET}/shards/"]) == sorted(url(p) for p in s3["local"] + [s3["big"]])
+
+
+@pytest.mark.parametrize("pattern", [f"s3://{BUCKET}/shards/photos-000000.tar", f"s3://{BUCKET}/shards/*.tar"])
+def test_missing_or_refused_credentials_are_named_at_once(s3, monkeypatch, pattern):
+    import s3fs
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    before = storage.counters()
+    try:
+        with pytest.raises(storage.StoreError, match="no credentials for the store.*AWS_ACCESS_KEY_ID"):
+            expand_shards([pattern])
+        assert storage.counters()["retries"] == before["retries"]  # nothing a retry could fix
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["refuses", "never-answers"])
+def test_an_unreachable_endpoint_is_named_not_taken_for_a_missing_file(monkeypatch, answers):
+    import s3fs
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (in its backlog) and never answers
+    port = listener.getsockname()[1] if answers else free_port()
+    if not answers:
+        listener.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for key, value in (("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(storage, "READ_TIMEOUT_S", 1)
+    monkeypatch.setattr(storage, "CONNECT_TIMEOUT_S", 1)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(storage.StoreError, match=rf"http://127.0.0.1:{port} is unreachable"):
+            expand_shards(["s3://bucket/x/00000.tar"])
+    finally:
+        listener.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_an_unknown_url_scheme_is_named(tmp_path):
+    with pytest.raises(storage.StoreError, match="cannot read nosuchfs:// URLs"):
+        expand_shards(["nosuchfs://bucket/x.tar"])
+
+
 def test_remote_shards_index_and_encode_as_local_ones(s3, qwen3vl, cpu_decoder):
     for local in s3["local"][:2]:
         here, there = index_shard(local), index_shard(url(local))
@@ -211,7 +262,7 @@ def test_a_kept_listing_of_an_object_is_used_while_its_etag_holds(s3, tmp_path):
     a rewritten object (new ETag) is listed from the store again."""
     import boto3
 
-    from datasvc.listings import ShardListings
+    from datasvc.read.listings import ShardListings
 
     shard, directory = url(s3["local"][0]), str(tmp_path / "listings")
     first = ShardListings(directory)

@@ -225,6 +225,37 @@ def test_documents_profile_is_png_heavy_tall_and_texty(tmp_path):
                 assert edges.mean() > 0.002
 
 
+def test_sft_and_interleaved_profiles_read_as_the_service_reads_them(tmp_path):
+    """llava-sft: one photo and several turns, images only in the first question; interleaved: 4-8
+    images a sample. Both are read by the service's own reader with nothing rejected."""
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
+
+    small = Dist.lognormal(0.05, 0.3, 0.02, 0.1).to_dict()  # fast: same profiles, small pictures
+    for name, turns, images in (("llava-sft", (2, 8), (1, 1)), ("interleaved", (1, 1), (4, 8))):
+        p = Profile.from_dict({**PROFILES[name].to_dict(), "megapixels": small})
+        paths = write_shards(tmp_path / name, 12, p, seed=3, progress=False)
+        raws = [r for path in paths for r in read_samples(path, index_shard(path).samples, ReadLimits())]
+        assert len(raws) == 12 and not [r.problem for r in raws if r.problem], name
+        for raw in raws:
+            assert images[0] <= len(raw.images) <= images[1], (name, len(raw.images))
+            if raw.conversation is None:
+                continue
+            msgs = raw.conversation["messages"]
+            users = [m["content"] for m in msgs if m["role"] == "user"]
+            assert turns[0] <= len(users) <= turns[1] and len(msgs) == 2 * len(users), name
+            assert users[0].count("<image>") == len(raw.images) and not any("<image>" in u for u in users[1:])
+
+
+def test_one_turn_profiles_write_the_text_they_always_wrote(tmp_path):
+    """A turn count drawn after the first turn leaves a one-turn profile's samples as they were."""
+    p = Profile.from_dict({**PROFILES["web-photos"].to_dict(), "conversation_fraction": 1.0,
+                           "megapixels": Dist.lognormal(0.05, 0.3, 0.02, 0.1).to_dict()})
+    two = Profile.from_dict({**p.to_dict(), "turns": Dist.choice([2], [1.0]).to_dict()})
+    one_msgs = json.loads(samples_of(write_shards(tmp_path / "a", 2, p, seed=5, progress=False))["00000000"]["json"])
+    two_msgs = json.loads(samples_of(write_shards(tmp_path / "b", 2, two, seed=5, progress=False))["00000000"]["json"])
+    assert two_msgs["messages"][:2] == one_msgs["messages"] and len(two_msgs["messages"]) == 4
+
+
 def test_jpeg_quality_estimate_reads_quant_tables():
     arr = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     for q in (50, 75, 85, 90, 95):
@@ -338,13 +369,14 @@ def test_calibration_reads_only_images_and_text(tmp_path):
                               {"from": "gpt", "value": "A black rectangle."}]}
     with tarfile.open(path, "w") as tf:
         for name, data in [("a.png", buf.getvalue()), ("a.json", json.dumps(conv).encode()),
-                           ("a.pth", b"\x80\x04garbage"), ("b.txt", b"only text here"),
+                           ("a.pth", b"\x80\x04garbage"), ("b.png", buf.getvalue()), ("b.txt", b"only text here"),
                            ("b.cls", b"3"), ("c.jpg", b"not a jpeg at all")]:
             ti = tarfile.TarInfo(name)
             ti.size = len(data)
             tf.addfile(ti, io.BytesIO(data))
     st = image_statistics(path)
-    assert st["samples"] == 2 and st["images"] == 1  # c.jpg is unreadable: skipped, not fatal
+    # c.jpg is unreadable: skipped, not fatal (a caption without its image would be missing_image)
+    assert st["samples"] == 2 and st["images"] == 2
     assert st["conversation_fraction"] == 0.5
     p = calibrate(path)
     assert p.question_words.mean() == 5 and p.answer_words.mean() == 3

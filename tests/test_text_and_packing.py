@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from datasvc.batch import IGNORE_INDEX, EncodedSample
-from datasvc.packing import PackingConfig, pack, padding_efficiency, plan_rows
-from datasvc.shards import RawSample
+from datasvc.pack.packing import PackingConfig, pack, padding_efficiency, plan_rows
+from datasvc.read.shards import RawSample
 
 IM_START, IM_END, VS, VE, PAD = 151644, 151645, 151652, 151653, 151655
 
@@ -77,7 +77,7 @@ def test_packing_balances_vision_patches_across_micro_batches():
 
 
 def test_hold_partial_keeps_whole_micro_batches_and_holds_the_emptiest_rows():
-    from datasvc.packing import hold_partial, plan_block
+    from datasvc.pack.packing import hold_partial, plan_block
 
     rng = np.random.default_rng(3)
     samples = [_sample(int(n), 0, f"k{i}") for i, n in enumerate(rng.integers(20, 900, 50))]
@@ -128,8 +128,8 @@ def test_layout_matches_the_built_pipeline():
 def test_merge_carries_the_frames_left_to_the_rank():
     """Rows of frames the rank resizes travel with their sizes; images at their grid's size get
     that size, and a micro-batch with no frames carries none."""
-    from datasvc.packing import merge
-    from datasvc.vision import VisionSpec, finish_resize, frame_rows
+    from datasvc.media.vision import VisionSpec, finish_resize, frame_rows
+    from datasvc.pack.packing import merge
 
     spec = VisionSpec()
     at_grid = _sample(10, 8, "a")  # grid (1, 2, 4): 32x64 pixels

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from datasvc.cluster import local_auth_env
+from datasvc.service.cluster import local_auth_env
 from trainer.workers import RankLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,10 +33,11 @@ def test_rank_layout_groups_model_parallel_ranks_into_dp_replicas():
 
 
 def test_split_samples_restores_each_sample(photo_shards, qwen3vl, cpu_decoder):
-    from datasvc.packing import PackingConfig, pack
-    from datasvc.process import WorkItem, process_item
-    from datasvc.shards import index_shard
-    from datasvc.vision import to_pixel_values
+    from datasvc.media.vision import to_pixel_values
+    from datasvc.pack.packing import PackingConfig, pack
+    from datasvc.read.shards import index_shard
+    from datasvc.stream.process import process_item
+    from datasvc.wire import WorkItem
     from trainer.cpu_backend import split_samples
 
     idx = index_shard(photo_shards[0])
@@ -47,7 +48,7 @@ def test_split_samples_restores_each_sample(photo_shards, qwen3vl, cpu_decoder):
         t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
              ("tokens", "labels", "cu_seqlens", "num_samples", "image_grid_thw")}
         t["pixel_values"] = torch.from_numpy(to_pixel_values(b.pixels, qwen3vl.vision, b.image_grid_thw))
-        parts = split_samples(t)
+        parts = split_samples(t, qwen3vl.tokens.image_pad, qwen3vl.video_pad)
         assert len(parts) == len(b.sample_keys)
         for part, key in zip(parts, b.sample_keys):
             s = by_key[key]
@@ -113,6 +114,8 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
     assert summary["steps"] == 12 and summary["loss_finite"] and summary["loss_fell"]
     assert summary["tokens_per_s"] > 0 and 0 <= summary["data_wait_share"] <= 1
     assert summary["chain_blocks"] > 1  # trained on blocks packed in chains, trainer.run's default
+    trained = summary["trained"]  # what was trained, as the run resolved it
+    assert trained["model"]["pipeline"] == "qwen3vl" and trained["train"]["seq_len"] == 512  # as the job asked
     acct = summary["data_accounting"]
     # The job stops mid-stream: the rest of the block a rank's producer is handing out, and the rows
     # its chain holds, are read but neither delivered nor rejected yet: counted as in flight.
@@ -129,29 +132,36 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
 
 
 @pytest.mark.parametrize("flag", ["--chain-blocks", "--block-micro-batches", "--items-per-block"])
-def test_bad_block_options_fail_before_ray_starts(flag):
+def test_bad_block_options_fail_before_ray_starts(flag, capsys):
     from trainer.run import main
 
-    with pytest.raises(SystemExit, match="--block-micro-batches, --chain-blocks and --items-per-block must be >= 1"):
+    with pytest.raises(SystemExit):
         main(["qwen3vl", flag, "0", "--address", "ray://nowhere.invalid:1"])
+    assert f"argument {flag}: must be >= 1, not 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--video-fps", "--video-max-pixels"])
-def test_bad_video_options_fail_before_ray_starts(flag):
+@pytest.mark.parametrize("flag,value,why", [("--video-fps", "0", "must be a number > 0, not 0"),
+                                            ("--video-fps", "nan", "must be a number > 0, not nan"),
+                                            ("--video-max-pixels", "0", "must be >= 1, not 0")])
+def test_bad_video_options_fail_before_ray_starts(flag, value, why, capsys):
     from trainer.run import main
 
-    with pytest.raises(SystemExit, match="--video-fps and --video-max-pixels must be > 0"):
-        main(["qwen3vl", flag, "0", "--address", "ray://nowhere.invalid:1"])
+    with pytest.raises(SystemExit):
+        main(["qwen3vl", flag, value, "--address", "ray://nowhere.invalid:1"])
+    assert f"argument {flag}: {why}" in capsys.readouterr().err
 
 
 def test_video_options_reach_the_pipeline():
     from datasvc.registry import get_pipeline
-    from trainer.job import pipeline_options
+    from trainer.job import data_config, trainer_config
     from trainer.run import parse_args
 
-    args = parse_args(["qwen3vl", "--video-fps", "1", "--video-max-pixels", str(2 ** 20)])
-    video = get_pipeline("qwen3vl", **pipeline_options(args, "cpu")).video
+    args = parse_args(["qwen3vl", "--video-fps", "1", "--video-max-pixels", str(2 ** 20), "--items-per-block", "2"])
+    cfg, world = trainer_config(args, "cpu", 0)
+    data_cfg, _ = data_config(args, cfg, "cpu", world, 0.25)
+    video = get_pipeline("qwen3vl", **data_cfg.pipeline_options).video
     assert (video.fps, video.max_pixels) == (1.0, 2 ** 20)
+    assert data_cfg.pipeline_options["max_pixels"] == 256 * 256  # the CPU trainer's cap
 
 
 def test_gpu_decode_shares_never_overcommit_a_gpu():
@@ -199,7 +209,7 @@ def test_a_stopped_stream_counts_every_sample_read_restored_or_not(photo_shards)
     """read == delivered + quarantined + skipped + in_flight at any micro-batch of a chained stream,
     from the start and from a position restored in the middle of a chain."""
     from datasvc.config import ServiceConfig
-    from datasvc.producer import BlockProducer
+    from datasvc.stream.producer import BlockProducer
 
     cfg = ServiceConfig(shards=tuple(photo_shards), seq_len=128, samples_per_item=4, items_per_block=3,
                         chain_blocks=3, epochs=None, blocks_span_epochs=True,
@@ -220,3 +230,15 @@ def test_a_stopped_stream_counts_every_sample_read_restored_or_not(photo_shards)
     restored = BlockProducer(cfg, start=positions[4])
     for _ in zip(range(3), restored.micro_batches()):
         assert balanced(restored), restored.stats()["accounting"]
+
+
+def test_the_cpu_development_preset_yields_to_the_flags_given():
+    from trainer.config import CPU_DEVELOPMENT, TrainConfig
+
+    gpu = TrainConfig()
+    cpu = gpu.for_cpu_development(set())
+    assert (cpu.seq_len, cpu.train_iters, cpu.lr) == (CPU_DEVELOPMENT["seq_len"], CPU_DEVELOPMENT["train_iters"],
+                                                      CPU_DEVELOPMENT["lr"])
+    assert cpu.seq_len < gpu.seq_len and cpu.mbs == gpu.mbs  # the rest stays as configured
+    mine = TrainConfig(seq_len=2048, lr=3e-4).for_cpu_development({"--seq-len", "--lr"})
+    assert (mine.seq_len, mine.lr, mine.train_iters) == (2048, 3e-4, CPU_DEVELOPMENT["train_iters"])

@@ -18,7 +18,7 @@ import torch
 CHECK = textwrap.dedent("""
     import json
     import torch
-    from datasvc.vision import VisionSpec, fused_kernel_usable, fused_pixel_values, torch_pixel_values
+    from datasvc.media.vision import VisionSpec, fused_kernel_usable, fused_pixel_values, torch_pixel_values
 
     clip = dict(patch_size=14, image_mean=(0.48145466, 0.4578275, 0.40821073),
                 image_std=(0.26862954, 0.26130258, 0.27577711))
@@ -39,7 +39,7 @@ CHECK = textwrap.dedent("""
         out[name] = {"shape": list(got32.shape), "want_shape": list(want.shape), "dtype16": str(got16.dtype),
                      "f32_max_diff": (got32 - want).abs().max().item(),
                      "bf16_max_rel_diff": ((got16.float() - want).abs() / want.abs().clamp(min=1)).max().item()}
-    from datasvc.video import to_video_pixel_values
+    from datasvc.media.video import to_video_pixel_values
 
     for name, (spec, grids) in {"video": (VisionSpec(), [(2, 4, 6), (1, 2, 2)]),
                                 "video_p14_three_frames": (VisionSpec(temporal_patch_size=3, **clip), [(2, 2, 4)])}.items():
@@ -102,11 +102,11 @@ def test_kernel_rejects_grids_that_do_not_cover_the_rows(interpreted):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_kernel_on_cuda_is_what_to_pixel_values_runs():
     """On a GPU ``to_pixel_values`` takes the kernel, and its float32 values are the torch path's;
     a chunk of full-size images with a partial last program per image."""
-    from datasvc.vision import VisionSpec, fused_kernel_usable, to_pixel_values, torch_pixel_values
+    from datasvc.media.vision import VisionSpec, fused_kernel_usable, to_pixel_values, torch_pixel_values
 
     spec = VisionSpec()
     assert fused_kernel_usable(torch.device("cuda:0"))
@@ -120,11 +120,11 @@ def test_kernel_on_cuda_is_what_to_pixel_values_runs():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_video_pixel_values_on_cuda_take_the_kernel():
     """A rank's ``pixel_values_videos``: the CUDA path (the fused kernel) gives the numpy path's values."""
-    from datasvc.video import to_video_pixel_values
-    from datasvc.vision import VisionSpec
+    from datasvc.media.video import to_video_pixel_values
+    from datasvc.media.vision import VisionSpec
 
     spec = VisionSpec()
     grids = [(3, 18, 32), (1, 2, 2), (5, 12, 8)]

@@ -14,10 +14,10 @@ import pytest
 av = pytest.importorskip("av")
 
 from datasvc.samples import real_photos  # noqa: E402
-from datasvc.video import (VideoSpec, group_timestamps, plan_video, probe_video,  # noqa: E402
+from datasvc.media.video import (VideoSpec, group_timestamps, plan_video, probe_video,  # noqa: E402
                            sample_frame_indices, to_video_pixel_values, video_target_size)
-from datasvc.videodecode import VideoDecoder  # noqa: E402
-from datasvc.vision import ImageRejected  # noqa: E402
+from datasvc.media.videodecode import VideoDecoder  # noqa: E402
+from datasvc.media.vision import ImageRejected  # noqa: E402
 
 
 @functools.lru_cache(maxsize=1)
@@ -113,7 +113,7 @@ def test_mov_is_read_as_mp4(qwen3vl):
 
 @pytest.fixture(scope="module")
 def vision():
-    from datasvc.vision import VisionSpec
+    from datasvc.media.vision import VisionSpec
 
     return VisionSpec()
 
@@ -198,7 +198,7 @@ def _hf_processor():
     from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
     from transformers.models.qwen3_vl import Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    from datasvc.text import bundled_qwen3_tokenizer_dir
+    from pipelines.qwen3vl.data import bundled_qwen3_tokenizer_dir
 
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(bundled_qwen3_tokenizer_dir(), "tokenizer.json"))
     image = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
@@ -236,8 +236,8 @@ def test_frames_far_above_their_target_are_halved_first_and_stay_as_close_to_hf(
     import cv2
     import torch
 
-    from datasvc.jpegscale import resize_uint8
-    from datasvc.vision import hf_resize
+    from datasvc.media.jpegscale import resize_uint8
+    from datasvc.media.vision import hf_resize
 
     th, tw = target
     for name in sorted(_photos())[:3]:
@@ -258,7 +258,7 @@ def test_odd_sided_frames_are_not_halved():
     area resize whole."""
     import cv2
 
-    from datasvc.jpegscale import resize_uint8
+    from datasvc.media.jpegscale import resize_uint8
 
     (frame,) = pan_zoom(_photo(sorted(_photos())[0]), 1, (1081, 1920))
     assert np.array_equal(resize_uint8(frame, (64, 128)), cv2.resize(frame, (128, 64), interpolation=cv2.INTER_AREA))
@@ -272,7 +272,7 @@ def test_tokens_grids_and_pixels_match_the_transformers_processor(clips, qwen3vl
     import torch
     from transformers.video_utils import VideoMetadata
 
-    from datasvc.shards import RawSample
+    from datasvc.read.shards import RawSample
 
     names = ("vp9", "mjpeg")
     plans = [plan_video(clips[k], vision, qwen3vl.video) for k in names]
@@ -309,9 +309,10 @@ def write_tar(path, members) -> str:
 
 
 def _run(path, pipeline, decoder=None):
-    from datasvc.decode import CpuDecoder
-    from datasvc.process import WorkItem, process_item
-    from datasvc.shards import index_shard
+    from datasvc.media.decode import CpuDecoder
+    from datasvc.read.shards import index_shard
+    from datasvc.stream.process import process_item
+    from datasvc.wire import WorkItem
 
     idx = index_shard(path)
     res = process_item(WorkItem(path, 0, tuple(idx.samples)), pipeline, decoder or CpuDecoder())
@@ -387,7 +388,7 @@ def test_caps_on_frames_times_pixels_apply_before_decode(tmp_path, clips):
 
 
 def test_packed_batches_carry_videos_and_balance_their_patches(tmp_path, clips, qwen3vl, vision):
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.pack.packing import PackingConfig, pack
 
     members = [("a.webm", clips["vp9"]), ("a.txt", b"A pan."), ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup."),
                ("c.webm", clips["vp9"]), ("c.txt", b"A pan again."), ("d.mkv", clips["mjpeg"]), ("d.txt", b"A cup again.")]
@@ -424,9 +425,9 @@ def test_the_cpu_model_trains_on_packed_image_and_video_samples(tmp_path, clips,
     (transformers) takes each sample's tokens, grids and pixel_values_videos and gives a finite loss."""
     import torch
 
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.media.vision import to_pixel_values
+    from datasvc.pack.packing import PackingConfig, pack
     from datasvc.samples import encode_image
-    from datasvc.vision import to_pixel_values
     from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
     from trainer.cpu_backend import sample_loss, split_samples
 
@@ -441,7 +442,7 @@ def test_the_cpu_model_trains_on_packed_image_and_video_samples(tmp_path, clips,
          ("tokens", "labels", "cu_seqlens", "num_samples", "image_grid_thw", "video_grid_thw")}
     t["pixel_values"] = torch.from_numpy(to_pixel_values(b.pixels, vision, b.image_grid_thw))
     t["pixel_values_videos"] = torch.from_numpy(to_video_pixel_values(b.video_pixels, vision, b.video_grid_thw))
-    parts = split_samples(t)
+    parts = split_samples(t, qwen3vl.tokens.image_pad, qwen3vl.video_pad)
     by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
     model = build_model(CpuModelConfig(), seed=0)
     for part, key in zip(parts, b.sample_keys):
@@ -463,7 +464,7 @@ def _cuda() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_nvdec_decodes_the_sampled_frames_of_every_codec(clips, vision, video_decoder):
     """The mixed backend takes H.264 (which the CPU decoder refuses) and gives the CPU decoder's
     frames for VP9 and MJPEG up to the YUV->RGB conversion; pixel values on the GPU match."""
@@ -488,7 +489,7 @@ def test_nvdec_decodes_the_sampled_frames_of_every_codec(clips, vision, video_de
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_a_video_nvdec_fails_on_costs_only_itself(clips, vision):
     import dataclasses
 
@@ -502,12 +503,13 @@ def test_a_video_nvdec_fails_on_costs_only_itself(clips, vision):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_h264_samples_go_through_the_gpu_video_decoder(tmp_path, clips, qwen3vl):
     members = [("a.mp4", clips["h264"]), ("a.txt", b"H.264 on NVDEC"), ("b.mov", clips["h264"]), ("b.txt", b"in a mov")]
     path = write_tar(tmp_path / "h264.tar", members)
-    from datasvc.process import WorkItem, process_item
-    from datasvc.shards import index_shard
+    from datasvc.read.shards import index_shard
+    from datasvc.stream.process import process_item
+    from datasvc.wire import WorkItem
 
     gpu = VideoDecoder(device_id=0)
     res = process_item(WorkItem(path, 0, tuple(index_shard(path).samples)), qwen3vl, None,  # no images here
@@ -517,9 +519,9 @@ def test_h264_samples_go_through_the_gpu_video_decoder(tmp_path, clips, qwen3vl)
 
 
 def test_the_profiler_counts_video_tokens_and_time_per_frame(tmp_path, clips, qwen3vl, vision):
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.media.video import VIDEO_STAGES
+    from datasvc.pack.packing import PackingConfig, pack
     from datasvc.tools.profile.measure import _stage_diff, _tally_batch, _video_report
-    from datasvc.video import VIDEO_STAGES
 
     members = [("a.webm", clips["vp9"]), ("a.txt", b"A pan."), ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup.")]
     res, _ = _run(write_tar(tmp_path / "profile.tar", members), qwen3vl)
@@ -527,8 +529,9 @@ def test_the_profiler_counts_video_tokens_and_time_per_frame(tmp_path, clips, qw
     tally = _tally_batch(b, vision)
     assert (tally.videos, tally.video_tokens) == (2, (360 + 280) // 4)
     assert tally.vision_tokens == tally.video_tokens == int((b.tokens == VIDEO_PAD).sum())
-    from datasvc.process import WorkItem, process_item
-    from datasvc.shards import index_shard
+    from datasvc.read.shards import index_shard
+    from datasvc.stream.process import process_item
+    from datasvc.wire import WorkItem
 
     path = str(tmp_path / "profile.tar")
     times = process_item(WorkItem(path, 0, tuple(index_shard(path).samples)), qwen3vl, None).times.as_dict()
@@ -544,7 +547,7 @@ def test_packed_mrope_of_videos_matches_each_sample_alone_and_the_hf_model(tmp_p
     import torch
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
 
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.pack.packing import PackingConfig, pack
     from datasvc.samples import encode_image
     from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
     from trainer.megatron.thd import mrope_position_ids, pack_thd
@@ -558,7 +561,9 @@ def test_packed_mrope_of_videos_matches_each_sample_alone_and_the_hf_model(tmp_p
     t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
          ("tokens", "labels", "loss_mask", "cu_seqlens", "num_samples", "image_grid_thw", "video_grid_thw")}
     packed = pack_thd(t["tokens"], t["labels"], t["loss_mask"], t["cu_seqlens"], t["num_samples"])
-    pos = mrope_position_ids(packed, t["image_grid_thw"], 2, t["video_grid_thw"])
+    from test_megatron_config import QWEN3VL_IDS
+
+    pos = mrope_position_ids(packed, QWEN3VL_IDS, t["image_grid_thw"], t["video_grid_thw"])
     by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
     hf = build_model(CpuModelConfig(), seed=0).model
     for (a, e), key in zip(packed.sample_spans, b.sample_keys):
@@ -576,8 +581,8 @@ def test_packed_mrope_of_videos_matches_each_sample_alone_and_the_hf_model(tmp_p
 
 def test_token_rows_from_headers_equal_the_decoded_samples(tmp_path, clips, qwen3vl, cpu_decoder):
     """What packing plans from container headers alone is what decoding delivers."""
-    from datasvc.process import encode_from_headers
-    from datasvc.shards import ReadLimits, index_shard, read_samples
+    from datasvc.pack.headers import encode_from_headers
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
 
     path = write_tar(tmp_path / "headers.tar", [("a.webm", clips["vp9"]), ("a.json", _llava("Where to?")),
                                                 ("b.mkv", clips["mjpeg"]), ("b.txt", b"A cup.")])

@@ -16,9 +16,9 @@ av = pytest.importorskip("av")
 from test_video import (CONVERSATION, SPEC, TEMPLATE, VIDEO_PAD, _hf_processor, _llava,  # noqa: E402
                         _photo, _run, encode_clip, pan_zoom, video_decoder, vision, write_tar)
 
-from datasvc.video import VideoHeader, plan_video, to_video_pixel_values  # noqa: E402
-from datasvc.videodecode import VideoDecoder, _pyav_frames, _PyAVVideo, pyav_decodes  # noqa: E402
-from datasvc.vision import ImageRejected  # noqa: E402
+from datasvc.media.video import VideoHeader, plan_video, to_video_pixel_values  # noqa: E402
+from datasvc.media.videodecode import VideoDecoder, _pyav_frames, _PyAVVideo, pyav_decodes  # noqa: E402
+from datasvc.media.vision import ImageRejected  # noqa: E402
 
 # (encoder, container, the codec the probe reads) for every codec DALI's CPU backend refuses
 REFUSED_BY_DALI_CPU = [("libx264", "mp4", "h264"), ("libx265", "mp4", "hevc"), ("libsvtav1", "mp4", "av1"),
@@ -127,7 +127,7 @@ def test_tokens_grids_and_pixels_match_the_transformers_processor(vision, qwen3v
     import torch
     from transformers.video_utils import VideoMetadata
 
-    from datasvc.shards import RawSample
+    from datasvc.read.shards import RawSample
 
     astro, rocket = _photo("astronaut"), _photo("rocket")
     clips = [encode_clip(pan_zoom(astro, 25, (96, 128)), fps=10, codec="libx264", fmt="mp4", gop=6),
@@ -152,7 +152,7 @@ def test_tokens_grids_and_pixels_match_the_transformers_processor(vision, qwen3v
 
 def test_h264_samples_reach_a_packed_batch_on_cpu_and_a_corrupt_one_costs_only_itself(tmp_path, h264, qwen3vl,
                                                                                      vision, cpu_decoder):
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.pack.packing import PackingConfig, pack
 
     mdat = h264.find(b"mdat")
     corrupt = h264[:mdat + 4] + bytes(4096) + h264[mdat + 4 + 4096:]
@@ -226,7 +226,7 @@ def test_routes_dali_first_then_pyav_and_needs_gpu_only_where_neither_decodes(mo
     assert [cpu.route(h) for h in cases] == ["cpu", "cpu", "cpu", "pyav", "pyav", "pyav", "pyav", "pyav"]
     assert [gpu.route(h) for h in cases] == ["cpu", "gpu", "cpu", "pyav", "gpu", "pyav", "gpu", "pyav"]
     assert not pyav_decodes("no-such-codec")
-    import datasvc.videodecode as vd
+    import datasvc.media.videodecode as vd
 
     monkeypatch.setattr(vd, "pyav_decodes", lambda codec: False)  # an FFmpeg build without H.264
     plan = plan_video(h264, vision, SPEC)
@@ -242,7 +242,7 @@ def test_routes_dali_first_then_pyav_and_needs_gpu_only_where_neither_decodes(mo
 def test_av1_decodes_on_a_gpu_machine_whatever_its_nvdec_takes(vision):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (device machine: pytest -m gpu)")
+        pytest.skip("needs a CUDA GPU (pytest -m gpu on a GPU box)")
     av1 = encode_clip(pan_zoom(_photo("astronaut"), 12, (144, 192)), fps=12, codec="libsvtav1", fmt="mp4")
     plan = plan_video(av1, vision, SPEC)
     gpu = VideoDecoder(device_id=0)

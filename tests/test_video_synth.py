@@ -147,7 +147,7 @@ def test_the_video_bench_times_each_decoder_on_the_same_clips(tmp_path):
 
 
 def test_delivered_video_tokens_are_vision_tokens_in_the_stream_stats(tmp_path, qwen3vl):
-    from datasvc.packing import PackingConfig, pack
+    from datasvc.pack.packing import PackingConfig, pack
     from datasvc.stats import StreamStats
 
     p = dataclasses.replace(PROFILES["video-clips"], media_per_sample={"1+1": 1.0}, video_sizes={"128x96": 1.0},

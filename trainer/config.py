@@ -16,19 +16,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pipelines.qwen3vl.arch import Qwen3VLArch, arch, preset_names
+from datasvc.training import DEVICE_DEFAULTS, add_data_flags
+from datasvc.usage import UserError, positive_int
+from datasvc.registry import pipeline_part
 from trainer.checkpoint import CheckpointingConfig, EvalConfig, add_long_run_args, check_long_run
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, UserError):
     """An invalid combination of options; the message lists every problem and what to change."""
 
 
-# ------------------------------------------------------------------------------------------------
-# Sections
-# ------------------------------------------------------------------------------------------------
+# Sections ----------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class ModelConfig:
+    pipeline: str = "qwen3vl"  # the model family (pipelines/NAME): its presets, HF config, CPU model
     preset: str = "qwen3vl-30b-a3b"
     # Overrides that turn a preset into a proxy that fits one or two GPUs (None keeps the preset's).
     num_layers: int | None = None
@@ -43,10 +44,10 @@ class ModelConfig:
     # 0 = all at once). Bounds the tower's transient attention memory at large MBS.
     vision_chunk_patches: int = 0
 
-    def arch(self) -> Qwen3VLArch:
-        """The preset with the overrides applied."""
-        return arch(self.preset, num_layers=self.num_layers, num_experts=self.num_experts,
-                    vision_depth=self.vision_depth)
+    def arch(self):
+        """The preset with the overrides applied (the pipeline's ``arch`` dataclass)."""
+        return pipeline_part(self.pipeline, "arch").arch(self.preset, num_layers=self.num_layers,
+                                                         num_experts=self.num_experts, vision_depth=self.vision_depth)
 
 
 @dataclass(kw_only=True)
@@ -85,11 +86,16 @@ class CudaGraphConfig:
     warmup_steps: int = 3
 
 
+CPU_DEVELOPMENT = {"seq_len": DEVICE_DEFAULTS["cpu"].seq_len, "train_iters": 30, "lr": 1e-3}
+"""The CPU development path's training settings: a tiny model's run that finishes in minutes on two cores
+and visibly learns."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     mbs: int = 1  # rows per micro-batch (a packed row holds several samples)
     gbs: int = 8  # rows per optimizer step, over all DP ranks
-    seq_len: int = 4096
+    seq_len: int = DEVICE_DEFAULTS["gpu"].seq_len
     train_iters: int = 50
     lr: float = 1e-4
     min_lr: float = 1e-5
@@ -105,6 +111,12 @@ class TrainConfig:
     # PyTorch's expandable allocator segments on each rank: large MBS leaves big freed blocks that a
     # later, larger allocation (the fp32 logits) cannot reuse; measured 18 GiB stranded at MBS 8.
     expandable_segments: bool = False
+
+    def for_cpu_development(self, given: set[str]) -> "TrainConfig":
+        """These settings on the CPU development path (``CPU_DEVELOPMENT``), but for the fields whose
+        flags are in ``given`` (the user's own win)."""
+        return dataclasses.replace(self, **{name: value for name, value in CPU_DEVELOPMENT.items()
+                                            if "--" + name.replace("_", "-") not in given})
 
 
 @dataclass(kw_only=True)
@@ -162,14 +174,10 @@ def _model_chunks(p: ParallelConfig) -> int:
 
 
 def _check_model_names(m: ModelConfig) -> list[str]:
-    if m.preset not in preset_names():
-        return [f"unknown model preset {m.preset!r}; choose one of {preset_names()}"]
-    out = []
-    for name in ("num_layers", "num_experts", "vision_depth"):
-        v = getattr(m, name)
-        if v is not None and v < 1:
-            out.append(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
-    return out
+    if m.preset not in (names := pipeline_part(m.pipeline, "arch").preset_names()):
+        return [f"unknown model preset {m.preset!r} for {m.pipeline}; choose one of {names}"]
+    return [f"--{name.replace('_', '-')} must be >= 1 (got {v})" for name in ("num_layers", "num_experts", "vision_depth")
+            if (v := getattr(m, name)) is not None and v < 1]
 
 
 def _check_model(m: ModelConfig) -> list[str]:
@@ -185,13 +193,11 @@ def _check_model(m: ModelConfig) -> list[str]:
 
 
 def _check_parallel_sizes(p: ParallelConfig) -> list[str]:
-    out = [f"--{name} must be >= 1" for name in ("tp", "pp", "cp", "ep") if getattr(p, name) < 1]
-    if p.etp is not None and p.etp < 1:
-        out.append("--etp must be >= 1")
-    return out
+    return [f"--{name} must be >= 1" for name in ("tp", "pp", "cp", "ep", "etp")
+            if (size := getattr(p, name)) is not None and size < 1]
 
 
-def _check_parallel_grid(cfg: TrainerConfig, world_size: int, a: Qwen3VLArch) -> list[str]:
+def _check_parallel_grid(cfg: TrainerConfig, world_size: int, a) -> list[str]:
     """The world against TP/PP/CP/EP/ETP, and the model's heads and experts against them."""
     p, t = cfg.parallel, cfg.train
     out = []
@@ -220,7 +226,7 @@ def _check_parallel_grid(cfg: TrainerConfig, world_size: int, a: Qwen3VLArch) ->
     return out
 
 
-def _check_pipeline(p: ParallelConfig, a: Qwen3VLArch) -> list[str]:
+def _check_pipeline(p: ParallelConfig, a) -> list[str]:
     out = []
     if p.vpp is not None:
         if p.vpp < 2:
@@ -236,7 +242,7 @@ def _check_pipeline(p: ParallelConfig, a: Qwen3VLArch) -> list[str]:
         out.append(f"the first pipeline chunk holds {a.num_layers // chunks} decoder layers but Qwen3-VL adds "
                    f"{len(a.deepstack_visual_indexes)} deepstack vision features there; use more layers "
                    f"or a smaller --pp/--vpp")
-    if max(a.deepstack_visual_indexes) >= a.vision_depth:
+    if a.deepstack_visual_indexes and max(a.deepstack_visual_indexes) >= a.vision_depth:
         out.append(f"the vision tower needs more than {max(a.deepstack_visual_indexes)} layers for its "
                    f"deepstack taps {list(a.deepstack_visual_indexes)} (got --vision-depth {a.vision_depth})")
     return out
@@ -284,7 +290,7 @@ def _check_moe(cfg: TrainerConfig) -> list[str]:
     return out
 
 
-def _check_recompute(cfg: TrainerConfig, a: Qwen3VLArch) -> list[str]:
+def _check_recompute(cfg: TrainerConfig, a) -> list[str]:
     rc = cfg.recompute
     out = []
     if rc.granularity == "selective":
@@ -356,9 +362,7 @@ def _check_optimizer(t: TrainConfig) -> list[str]:
     return []
 
 
-# ------------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------------
+# Command line ------------------------------------------------------------------------------------
 def _bool_flag(group, name: str, default: bool, help: str) -> None:
     group.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
@@ -367,7 +371,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the Megatron backend's options (names follow the Megatron-Bridge performance guide)."""
     d = TrainerConfig()
     g = parser.add_argument_group("model")
-    g.add_argument("--model-preset", choices=preset_names(), default=d.model.preset)
+    g.add_argument("--model-preset", default=None, help="an architecture preset of the pipeline (default: its own)")
     g.add_argument("--num-layers", type=int, default=None, help="decoder layers (proxy override)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (proxy override)")
     g.add_argument("--vision-depth", type=int, default=None, help="vision tower layers (proxy override)")
@@ -400,10 +404,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=d.cuda_graph.warmup_steps)
 
     g = parser.add_argument_group("training")
-    g.add_argument("--mbs", type=int, default=d.train.mbs, help="micro-batch rows")
-    g.add_argument("--gbs", type=int, default=d.train.gbs, help="global batch rows")
-    g.add_argument("--seq-len", type=int, default=d.train.seq_len)
-    g.add_argument("--train-iters", type=int, default=d.train.train_iters)
+    g.add_argument("--mbs", type=positive_int, default=d.train.mbs, help="micro-batch rows")
+    g.add_argument("--gbs", type=positive_int, default=d.train.gbs, help="global batch rows")
+    add_data_flags(g, "--seq-len")
+    g.add_argument("--train-iters", type=positive_int, default=d.train.train_iters)
     g.add_argument("--lr", type=float, default=d.train.lr)
     g.add_argument("--min-lr", type=float, default=d.train.min_lr)
     g.add_argument("--warmup-iters", type=int, default=d.train.warmup_iters)
@@ -421,29 +425,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def from_args(args: argparse.Namespace) -> TrainerConfig:
     """Build the config from parsed arguments (unknown attributes are ignored)."""
+    pipeline = getattr(args, "pipeline", ModelConfig.pipeline)  # the benches' parsers have none
     return TrainerConfig(
-        model=ModelConfig(
-            preset=args.model_preset, num_layers=args.num_layers, num_experts=args.num_experts,
-            vision_depth=args.vision_depth, hf_path=args.hf_path,
-            freeze_language_model=args.freeze_language_model, freeze_vision_model=args.freeze_vision_model,
-            freeze_vision_projection=args.freeze_vision_projection,
-            vision_chunk_patches=args.vision_chunk_patches,
-        ),
-        parallel=ParallelConfig(strategy=args.strategy, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp,
-                                ep=args.ep, etp=args.etp),
+        model=_named_as_fields(ModelConfig, args, pipeline=pipeline,
+                               preset=args.model_preset or pipeline_part(pipeline, "arch").DEFAULT_PRESET),
+        parallel=_named_as_fields(ParallelConfig, args),
         moe=MoEConfig(dispatcher=args.moe_dispatcher, flex_backend=args.flex_backend,
                       aux_loss_coeff=args.moe_aux_loss_coeff),
-        recompute=RecomputeConfig(granularity=args.recompute,
-                                  modules=list(args.recompute_modules or ["core_attn"]),
+        recompute=RecomputeConfig(granularity=args.recompute, modules=list(args.recompute_modules or ["core_attn"]),
                                   num_layers=args.recompute_num_layers),
-        cuda_graph=CudaGraphConfig(scope=list(args.cuda_graph_scope or []),
-                                   warmup_steps=args.cuda_graph_warmup_steps),
-        train=TrainConfig(mbs=args.mbs, gbs=args.gbs, seq_len=args.seq_len, train_iters=args.train_iters,
-                          lr=args.lr, min_lr=args.min_lr, warmup_iters=args.warmup_iters,
-                          weight_decay=args.weight_decay, clip_grad=args.clip_grad, bf16=args.bf16,
-                          seed=args.seed, log_interval=args.log_interval, padded=args.padded,
-                          expandable_segments=args.expandable_segments),
-        # The flags are named as the fields (trainer.checkpoint.add_long_run_args).
-        checkpoint=CheckpointingConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CheckpointingConfig)}),
-        eval=EvalConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalConfig)}),
+        cuda_graph=CudaGraphConfig(scope=list(args.cuda_graph_scope or []), warmup_steps=args.cuda_graph_warmup_steps),
+        train=_named_as_fields(TrainConfig, args, seq_len=args.seq_len or TrainConfig.seq_len),
+        checkpoint=_named_as_fields(CheckpointingConfig, args),  # trainer.checkpoint.add_long_run_args
+        eval=_named_as_fields(EvalConfig, args),
     )
+
+
+def _named_as_fields(section: type, args: argparse.Namespace, **given):
+    """A config section whose flags are named as its fields (``--min-lr`` fills ``min_lr``)."""
+    return section(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section) if f.name not in given},
+                   **given)

@@ -1,4 +1,5 @@
-"""CPU development path: a real (tiny) Qwen3-VL MoE from transformers, trained with DDP on gloo.
+"""CPU development path: a real (tiny) model of the pipeline's family from transformers (its
+``cpu_model``), trained on gloo.
 
 It exists so the whole job (placement group, trainer actors, per-DP-rank data streams, metrics)
 runs and is tested without GPUs. It consumes the same packed micro-batches as the Megatron
@@ -20,15 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from datasvc.batch import IGNORE_INDEX, vision_patches
-from pipelines.qwen3vl import TOKENS, VIDEO_PAD
-from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
+from datasvc.registry import pipeline_part
 from trainer.checkpoint import commit, load_cpu, save_cpu
 from trainer.config import TrainerConfig
 from trainer.rank_spread import gather_rank_spread
 
 log = logging.getLogger("vlmfeed.trainer.cpu")
-
-IMAGE_PAD = TOKENS.image_pad
 
 
 def _runs(ids: torch.Tensor, token: int) -> int:
@@ -36,8 +34,9 @@ def _runs(ids: torch.Tensor, token: int) -> int:
     return int(((ids[1:] == token) & (ids[:-1] != token)).sum() + int(ids[0] == token))
 
 
-def split_samples(batch: dict) -> list[dict]:
-    """Packed rows -> one dict per sample with its own tokens, labels, image and video patches."""
+def split_samples(batch: dict, image_pad: int, video_pad: int) -> list[dict]:
+    """Packed rows -> one dict per sample with its own tokens, labels, image and video patches
+    (``image_pad``, ``video_pad``: the model's pad token ids, which mark where each image and video is)."""
     grids = batch["image_grid_thw"]
     patch_counts = (grids.prod(dim=1)).tolist() if len(grids) else []
     video_grids = batch.get("video_grid_thw", torch.zeros((0, 3), dtype=torch.int64))
@@ -49,9 +48,9 @@ def split_samples(batch: dict) -> list[dict]:
         for j in range(int(batch["num_samples"][r])):
             s, e = int(cu[j]), int(cu[j + 1])
             ids = batch["tokens"][r, s:e]
-            n_img = _runs(ids, IMAGE_PAD)
+            n_img = _runs(ids, image_pad)
             n_patch = sum(patch_counts[image_i:image_i + n_img])
-            groups, n_vid = _runs(ids, VIDEO_PAD), 0
+            groups, n_vid = _runs(ids, video_pad), 0
             while groups > 0 and video_i + n_vid < len(video_thw):
                 groups -= video_thw[video_i + n_vid][0]
                 n_vid += 1
@@ -82,7 +81,8 @@ def sample_loss(model, sample: dict) -> tuple[torch.Tensor, int]:
     if "video_grid_thw" in sample:
         kwargs.update(pixel_values_videos=sample["pixel_values_videos"], video_grid_thw=sample["video_grid_thw"])
     if kwargs:  # 1 on image pads, 2 on video pads, as the processor marks them
-        kwargs["mm_token_type_ids"] = (ids == IMAGE_PAD).long() + 2 * (ids == VIDEO_PAD).long()
+        c = model.config
+        kwargs["mm_token_type_ids"] = (ids == c.image_token_id).long() + 2 * (ids == c.video_token_id).long()
     labels = sample["labels"]
     keep = torch.nonzero(labels != IGNORE_INDEX).flatten()
     # Project only supervised positions onto the 152k vocabulary: most of a VLM row is image pads.
@@ -124,17 +124,18 @@ class CpuRank:
     stop_requested: Callable[[], str] = lambda: ""  # a reason ("SIGTERM"), or "" to go on
 
 
-def build(cfg: TrainerConfig, model_cfg: CpuModelConfig):
+def build(cfg: TrainerConfig, model_cfg=None):
     """The model (from ``--hf-path`` when given, else the development config), its optimizer, and
     warm-up plus cosine decay to ``min_lr``, as the Megatron backend schedules it."""
     t = cfg.train
     if cfg.model.hf_path:
-        from transformers import Qwen3VLMoeForConditionalGeneration
+        from transformers import AutoModelForImageTextToText
 
-        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
         model.config._attn_implementation = "sdpa"
     else:
-        model = build_model(model_cfg, t.seed)
+        cpu_model = pipeline_part(cfg.model.pipeline, "cpu_model")
+        model = cpu_model.build_model(model_cfg or cpu_model.CpuModelConfig(), t.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=0.0)
 
     def factor(step: int) -> float:
@@ -147,12 +148,12 @@ def build(cfg: TrainerConfig, model_cfg: CpuModelConfig):
 
 
 def train(cfg: TrainerConfig, data_iter, me: CpuRank, *, valid_iter=None, loader=None,
-          model_cfg: CpuModelConfig = CpuModelConfig()) -> list[dict]:
+          model_cfg=None) -> list[dict]:
     """Train on this rank from ``me.resume_step`` to ``cfg.train.train_iters``, saving, validating and
     stopping as ``cfg.checkpoint`` and ``cfg.eval`` say. ``loader``: this DP rank's client when this
     rank saves its loader state (the first consumer of each replica)."""
     if me.rank == 0:
-        log.warning("CPU development path: tiny transformers Qwen3-VL MoE on gloo; not a performance run")
+        log.warning("CPU development path: tiny transformers %s on gloo; not a performance run", cfg.model.pipeline)
     ck = cfg.checkpoint
     model, opt, sched = build(cfg, model_cfg)
     if me.resume_step:
@@ -228,7 +229,7 @@ def _train_step(model, opt, data_iter, me: CpuRank, step: int, n_params: int) ->
     # so neither data wait nor waiting for the other ranks is in it.
     c0 = time.perf_counter()
     for batch in micro:
-        for sample in split_samples(batch):
+        for sample in split_samples(batch, model.config.image_token_id, model.config.video_token_id):
             loss, n = sample_loss(model, sample)
             (loss / global_tokens.item()).backward()
             loss_sum += loss.detach()
@@ -269,7 +270,7 @@ def validate(model, valid_iter, me: CpuRank, global_batches: int) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for _ in range(global_batches * me.grad_accum):
-        for sample in split_samples(next(valid_iter)):
+        for sample in split_samples(next(valid_iter), model.config.image_token_id, model.config.video_token_id):
             loss, n = sample_loss(model, sample)
             total += torch.tensor([float(loss), n], dtype=torch.float64)
     model.train()

@@ -17,24 +17,23 @@ import uuid
 from dataclasses import dataclass
 
 from datasvc.config import ServiceConfig
-from datasvc.filters import add_filter_flags, filters_from_flags
+from datasvc.read.filters import add_filter_flags, filters_from_flags
+from datasvc.training import add_data_flags
+from datasvc.usage import UserError, positive_int
 from trainer.config import TrainerConfig
 from trainer.lifecycle import Resume, resolve_outputs, resume_from, start_run_control, stop_on_sigterm
+from trainer.megatron.overrides import CPU_PATH_REFUSAL, BridgeOverrides, describe, validate_overrides
 
 log = logging.getLogger("vlmfeed.run")
 TRAINER_GPU_SHARE = 0.75
-# The CPU development path's defaults, so a run finishes in minutes on two cores.
-CPU_DEFAULTS = {"--seq-len": ("seq_len", 1024), "--train-iters": ("train_iters", 30), "--lr": ("lr", 1e-3)}
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
     """The options of the job and its data (the model and training options are trainer.config's)."""
-    from datasvc.plan import TRAINING_CHAIN_BLOCKS
-
     g = p.add_argument_group("job")
     g.add_argument("--backend", choices=["auto", "megatron", "cpu"], default="auto",
                    help="auto: megatron when the cluster has GPUs, else the CPU development path")
-    g.add_argument("--world-size", type=int, default=None, help="trainer ranks (default: all GPUs; 2 on CPU)")
+    g.add_argument("--world-size", type=positive_int, default=None, help="trainer ranks (default: all GPUs; 2 on CPU)")
     g.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     g.add_argument("--out", default=None, help="directory for metrics.jsonl, summary.json and loss.png (default: "
                    "out/run; under `ray job submit`, ~/vlmfeed-runs/<job>, outside Ray's copy of the package)")
@@ -42,8 +41,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shards", nargs="+", default=None,
                    help="WebDataset shards: paths, globs, brace patterns, s3:// URLs, or an Energon dataset "
                         "DIR[:SPLIT] (default: bundled real photos)")
-    g.add_argument("--blend", default="",
-                   help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file (instead of --shards)")
+    add_data_flags(g, "--blend")
     g.add_argument("--valid-shards", nargs="+", default=None,
                    help="validation shards (the same forms as --shards), streamed by their own feeders, never "
                         "trained on; evaluated every --eval-interval steps")
@@ -55,31 +53,17 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="with --balance-dp: a directory every feeder can read, holding each shard's sample sizes "
                         "so its headers are read once per job, not once per DP rank (`vlmfeed sizes` fills it "
                         "ahead; feeders add what is missing)")
-    g.add_argument("--decode", choices=["cpu", "gpu"], default="cpu")
-    g.add_argument("--decode-threads", type=int, default=1)
-    g.add_argument("--cpu-jpeg-decoder", choices=["dali", "libjpeg-turbo"], default="dali",
-                   help="with --decode cpu: libjpeg-turbo decodes JPEGs at a reduced DCT scale (faster on photos "
-                        "well above the pixel cap)")
+    add_data_flags(g, "--decode", "--max-pixels", "--min-pixels")
+    g.add_argument("--decode-threads", type=positive_int, default=1)
+    add_data_flags(g, "--cpu-jpeg-decoder")
     g.add_argument("--resize-on", choices=["rank", "actor"], default=ServiceConfig.resize_on,
                    help="with --decode cpu: where an image's last resize runs; rank: on the trainer's GPU "
                         "with HF's own resize, sparing the preprocessing actors nearly half their CPU time")
-    g.add_argument("--data-actors", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
+    g.add_argument("--data-actors", type=positive_int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
                    help="preprocessing actors per DP rank (autoscaled between)")
-    g.add_argument("--max-pixels", type=int, default=None, help="image pixel cap (default: 1 MP on GPU, 64K on CPU)")
-    g.add_argument("--min-pixels", type=int, default=None)
-    g.add_argument("--video-fps", type=float, default=None, help="frames sampled a second of video (default: the pipeline's, 2)")
-    g.add_argument("--video-max-pixels", type=int, default=None,
-                   help="cap on frames x height x width of one video (default: the pipeline's)")
+    add_data_flags(g, "--video-fps", "--video-max-pixels")
     g.add_argument("--data-seed", type=int, default=0)
-    g.add_argument("--items-per-block", type=int, default=None,
-                   help="work items packed together (default: sized from the shards to fill --block-micro-batches)")
-    g.add_argument("--block-micro-batches", type=int, default=8,
-                   help="micro-batches a packing block should fill when --items-per-block is not given: "
-                        "about half a micro-batch of padding rows is lost per chain of --chain-blocks blocks; "
-                        "memory grows with it")
-    g.add_argument("--chain-blocks", type=int, default=TRAINING_CHAIN_BLOCKS,
-                   help="blocks packed as a chain: a block's part-filled rows wait for the next block's samples "
-                        "(1: each block on its own); a restore re-reads up to this many - 1 blocks")
+    add_data_flags(g, "--items-per-block", "--block-micro-batches", "--chain-blocks")
     from trainer.plan.gate import add_plan_args
 
     add_plan_args(p)
@@ -101,6 +85,7 @@ class Job:
     loopback: bool = False  # the embedded single-host cluster: ranks rendezvous on 127.0.0.1 only
     resume: Resume | None = None  # the checkpoint this run takes up, when --load found one
     valid_cfg: ServiceConfig | None = None  # the validation stream's config, with --valid-shards
+    overrides: BridgeOverrides = BridgeOverrides()  # KEY=VALUE and --config-file, for Bridge's container
 
     @property
     def samples_path(self) -> str:
@@ -111,12 +96,16 @@ class Job:
         return self.data_cfg.dp_size
 
     def describe(self) -> dict:
-        """What the run summary records about the job's data geometry."""
-        out = {"items_per_block": self.data_cfg.items_per_block, "chain_blocks": self.data_cfg.chain_blocks}
+        """What the run summary records about what was trained (the configuration ``--fit auto`` may
+        have picked) and the job's data geometry."""
+        out = {"trained": {k: v for k, v in self.cfg.to_dict().items() if k not in ("checkpoint", "eval")},
+               "items_per_block": self.data_cfg.items_per_block, "chain_blocks": self.data_cfg.chain_blocks}
         if self.block_sizing:
             out["block_sizing"] = self.block_sizing
         if self.resume:
             out["resumed"] = self.resume.describe()
+        if self.overrides:
+            out["bridge_overrides"] = describe(self.overrides)
         return out
 
 
@@ -129,15 +118,17 @@ def build_job(args: argparse.Namespace) -> Job:
     check_args(args)
     resolve_outputs(args)
     plan_gate_declared(args)  # a job that declares its GPUs and cannot fit stops before Ray starts
+    overrides = check_overrides(args)  # a key Bridge does not know stops before Ray starts too
     gpus, loopback = connect_cluster(args)
     backend = args.backend if args.backend != "auto" else ("megatron" if gpus else "cpu")
+    if backend == "cpu" and overrides:
+        raise SystemExit(f"this cluster has no GPUs, so trainer.run takes the CPU development path: {CPU_PATH_REFUSAL}")
+    if backend == "megatron" and not gpus:
+        raise SystemExit("--backend megatron needs GPUs and this Ray cluster has none: leave --backend out (the CPU "
+                         "development path), or --address a cluster with GPUs")
     if backend == "megatron" and args.save and "://" in args.save:
         raise SystemExit("--save with Megatron-Bridge needs a filesystem path (local or shared); s3:// URLs are "
                          "supported on the CPU path only")
-    if backend == "cpu":
-        for flag, (attr, value) in CPU_DEFAULTS.items():
-            if flag not in args._given:
-                setattr(args, attr, value)
     plan_gate_cluster(args, backend, gpus)  # checked, or fit to the GPUs (--fit auto), before any rank starts
     cfg, world = trainer_config(args, backend, gpus)
     dp = cfg.data_parallel_size(world)
@@ -160,7 +151,7 @@ def build_job(args: argparse.Namespace) -> Job:
     return Job(backend=backend, world=world, cfg=cfg, data_cfg=data_cfg, gpu_per_rank=gpu_per_rank, out=args.out,
                metrics_path=metrics, run=f"vlmfeed-{uuid.uuid4().hex[:8]}",
                block_sizing=sizing.as_dict() if sizing else None, loopback=loopback, resume=resume,
-               valid_cfg=valid_cfg)
+               valid_cfg=valid_cfg, overrides=overrides)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -169,12 +160,27 @@ def check_args(args: argparse.Namespace) -> None:
 
     if args.pipeline not in available():
         raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
-    if args.block_micro_batches < 1 or args.chain_blocks < 1 or (
-            args.items_per_block is not None and args.items_per_block < 1):
-        raise SystemExit("--block-micro-batches, --chain-blocks and --items-per-block must be >= 1")
-    if (args.video_fps is not None and args.video_fps <= 0) or (
-            args.video_max_pixels is not None and args.video_max_pixels <= 0):
-        raise SystemExit("--video-fps and --video-max-pixels must be > 0 (leave them out for the pipeline's own)")
+    from datasvc.read.shards import expand_shards
+
+    for flag, patterns in (("--shards", args.shards), ("--valid-shards", args.valid_shards)):
+        if patterns:
+            try:
+                expand_shards(list(patterns))
+            except UserError as exc:
+                raise SystemExit(f"{flag}: {exc}") from None
+
+
+def check_overrides(args: argparse.Namespace) -> BridgeOverrides:
+    """Bridge overrides, checked on a container built here on CPU before Ray starts (a few seconds
+    of Megatron import, only when there are any)."""
+    overrides = BridgeOverrides.from_args(args)
+    if overrides and args.backend == "cpu":
+        raise SystemExit(CPU_PATH_REFUSAL)
+    if overrides:
+        from trainer.config import from_args
+
+        validate_overrides(from_args(args), overrides, args.world_size or 1)
+    return overrides
 
 
 def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
@@ -182,7 +188,7 @@ def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
     cluster this process started on 127.0.0.1 (its ranks then rendezvous on loopback only)."""
     import ray
 
-    from datasvc.cluster import connect
+    from datasvc.service.cluster import connect
 
     embedded = not (ray.is_initialized() or args.address or os.environ.get("RAY_ADDRESS"))
 
@@ -200,6 +206,8 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
     from trainer.config import from_args
 
     cfg = from_args(args)
+    if backend == "cpu":
+        cfg.train = cfg.train.for_cpu_development(args._given)
     world = args.world_size or (gpus if backend == "megatron" else 2)
     if backend == "megatron":
         if gpus < world:
@@ -255,60 +263,39 @@ def gpu_shares(decode: str, backend: str, world: int, dp: int, max_actors: int) 
     return TRAINER_GPU_SHARE, (1 - TRAINER_GPU_SHARE) * world / (dp * max_actors)
 
 
-def pipeline_options(args: argparse.Namespace, backend: str) -> dict:
-    """Pixel limits: 1 MP on GPU, 64K on CPU unless given; the pipeline's own minimum, lowered to the
-    cap where the cap is below it."""
-    from datasvc.registry import get_layout
-
-    opts = {"max_pixels": args.max_pixels or (1024 * 1024 if backend == "megatron" else 256 * 256)}
-    default_min = get_layout(args.pipeline).vision.min_pixels
-    if args.min_pixels or opts["max_pixels"] < default_min:
-        opts["min_pixels"] = args.min_pixels or min(default_min, opts["max_pixels"])
-    if args.video_fps is not None:
-        opts["video_fps"] = args.video_fps
-    if args.video_max_pixels is not None:
-        opts["video_max_pixels"] = args.video_max_pixels
-    return opts
-
-
 def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, world: int, decode_share: float):
-    """The data service's config, blocks sized from the shards unless ``--items-per-block`` is given.
-    Returns (config, BlockSizing or None)."""
-    from datasvc.plan import size_blocks
-    from datasvc.samples import default_shards
+    """The data service's config (``datasvc.training``'s geometry), blocks sized from the shards unless
+    ``--items-per-block`` is given. Returns (config, BlockSizing or None)."""
+    from datasvc.training import training_config
     from trainer.workers import RankLayout
 
     layout0 = RankLayout(0, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp)
-    data_cfg = ServiceConfig(shards=tuple(args.shards or (() if args.blend else default_shards())),
-                             blend=args.blend, filters=filters_from_flags(args), pipeline=args.pipeline,
-                             pipeline_options=pipeline_options(args, backend),
-                             seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=layout0.dp_size,
-                             pack=not cfg.train.padded,
-                             consumers_per_replica=layout0.model_parallel, epochs=None, blocks_span_epochs=True,
-                             chain_blocks=args.chain_blocks,
-                             seed=args.data_seed,
-                             decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
-                             cpu_jpeg_decoder=args.cpu_jpeg_decoder, resize_on=args.resize_on,
-                             min_actors=args.data_actors[0], max_actors=args.data_actors[1],
-                             items_per_block=args.items_per_block or 1, balance_dp=args.balance_dp,
-                             balance_cost=balance_cost(cfg) if args.balance_dp else {},
-                             sizes_index=args.sizes_index,
-                             micro_batches_per_step=cfg.train.gbs // (cfg.train.mbs * layout0.dp_size))
-    if args.items_per_block is not None:
-        return data_cfg, None
-    data_cfg, sizing = size_blocks(data_cfg, target_micro_batches=args.block_micro_batches)
-    log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
-             data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
+    data_cfg, sizing = training_config(
+        tuple(args.shards or ()), device="gpu" if backend == "megatron" else "cpu", pipeline=args.pipeline,
+        seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.mbs, dp_size=layout0.dp_size,
+        max_pixels=args.max_pixels, min_pixels=args.min_pixels,
+        pipeline_options={"video_fps": args.video_fps, "video_max_pixels": args.video_max_pixels},
+        block_micro_batches=args.block_micro_batches, items_per_block=args.items_per_block,
+        blend=args.blend, filters=filters_from_flags(args), pack=not cfg.train.padded,
+        consumers_per_replica=layout0.model_parallel, chain_blocks=args.chain_blocks, seed=args.data_seed,
+        decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
+        cpu_jpeg_decoder=args.cpu_jpeg_decoder, resize_on=args.resize_on,
+        min_actors=args.data_actors[0], max_actors=args.data_actors[1], balance_dp=args.balance_dp,
+        balance_cost=balance_cost(cfg) if args.balance_dp else {}, sizes_index=args.sizes_index,
+        micro_batches_per_step=cfg.train.gbs // (cfg.train.mbs * layout0.dp_size))
+    if sizing is not None:
+        log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
+                 data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
     return data_cfg, sizing
 
 
 def balance_cost(cfg: TrainerConfig) -> dict:
     """The cost model the feeders deal micro-batches with: fitted on the nearest setting, at this
-    model's FLOPs (``pipelines.qwen3vl.cost``)."""
-    from pipelines.qwen3vl.cost import options_for_training
+    model's FLOPs (the pipeline's ``cost``)."""
+    from datasvc.registry import pipeline_part
 
     m = cfg.model
-    return options_for_training(m.preset, m.num_layers, m.num_experts, cfg.parallel.strategy,
+    return pipeline_part(m.pipeline, "cost").options_for_training(m.preset, m.num_layers, m.num_experts, cfg.parallel.strategy,
                                 recompute=cfg.recompute.granularity == "full", freeze_vision=m.freeze_vision_model)
 
 
@@ -330,7 +317,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
     save at the next step boundary and stop; the run then ends normally."""
     import ray
 
-    from datasvc.client import DataService
+    from datasvc.service.client import DataService
     from trainer.workers import RankLayout, WorkerGroup
 
     cfg, world = job.cfg, job.world
@@ -368,7 +355,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
 
 def data_nodes(job: Job, rank_nodes: list[str]) -> dict[int, str]:
     """Each DP rank's node: where most trainer ranks of that replica are."""
-    from datasvc.locality import replica_nodes
+    from datasvc.service.locality import replica_nodes
     from trainer.workers import RankLayout
 
     p = job.cfg.parallel
@@ -379,7 +366,7 @@ def data_nodes(job: Job, rank_nodes: list[str]) -> dict[int, str]:
 def rank_main(job: Job, layout):
     """Runs inside each trainer actor; the rank that reports (the last on Megatron, where the loss
     lives; rank 0 on CPU) returns its step records, the others an empty list."""
-    from datasvc.client import DataClient
+    from datasvc.service.client import DataClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = job.resume.loader.get(layout.dp_rank) if job.resume else None
@@ -394,7 +381,7 @@ def rank_main(job: Job, layout):
                           control=f"{job.run}-control", resume=job.resume is not None,
                           redealt=bool(job.resume and job.resume.redealt),
                           out=job.out)
-        records = train(job.cfg, client, me, world_size=layout.world, valid_iterator=valid)
+        records = train(job.cfg, client, me, world_size=layout.world, valid_iterator=valid, overrides=job.overrides)
         return records if last else []
     return _cpu_rank(job, layout, start)
 
@@ -404,7 +391,7 @@ def _cpu_rank(job: Job, layout, start: dict | None):
     import torch
     import torch.distributed as dist
 
-    from datasvc.client import DataClient
+    from datasvc.service.client import DataClient
     from trainer.cpu_backend import CpuRank, train as cpu_train
     from trainer.rendezvous import init_distributed
 

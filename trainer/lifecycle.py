@@ -57,8 +57,8 @@ def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceCon
     """With ``--load``: the data config that continues the checkpoint's stream, and what is resumed.
     At the DP size it was saved at, every rank continues its own stream exactly; at another, what was
     left of the epoch is dealt over the new ranks (``datasvc.remainder``)."""
-    from datasvc.producer import DataServiceError, check_dataset
     from datasvc.remainder import remainder_after
+    from datasvc.stream.producer import DataServiceError, check_dataset
     from trainer.checkpoint import read_saved_run
 
     load = cfg.checkpoint.load
@@ -83,7 +83,7 @@ def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceCon
     try:
         remainder = remainder_after(list(saved.loader.values()), saved.remainder)
         data_cfg = dataclasses.replace(data_cfg, remainder=remainder)
-        from datasvc.plan import EpochPlan
+        from datasvc.pack.plan import EpochPlan
 
         EpochPlan(data_cfg)  # a blend cannot be dealt anew: say so now, not in a feeder
     except ValueError as exc:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from datasvc.balance import straggler_ratio
+from datasvc.pack.balance import straggler_ratio
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from datasvc.usage import HelpFormatter
+
 PRESETS = {"30B-A3B": "qwen3vl-30b-a3b", "235B-A22B": "qwen3vl-235b-a22b"}
 # Layouts tried in order; the first whose plan fits is taken (with its memory knobs).
 LAYOUTS = [{"strategy": "fsdp"}, {"strategy": "fsdp", "ep": 8},
@@ -163,7 +165,7 @@ def markdown(rows: list[dict], mfu: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.scale", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m trainer.scale", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="profile.json from vlmfeed profile")
     ap.add_argument("--gpus", default="8,64,512")
     ap.add_argument("--gpus-per-node", type=int, default=8)

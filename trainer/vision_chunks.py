@@ -1,7 +1,7 @@
 """Run the vision tower over a micro-batch's images a few at a time.
 
 Why: at MBS 8 with full 4,096-token rows, one micro-batch carries ~30 images and the vision tower's
-attention backward asked for a single 54.75 GiB buffer (H200; docs/benchmarks.md, large MBS), which grows
+attention backward asked for a single 54.75 GiB buffer (H200; docs/benchmarks/mbs-sweep-and-large-micro-batches.md), which grows
 with the number of images in one call times the longest image squared, not with the patches alone.
 Whole images never span chunks, and every image attends only to itself, so the outputs are the
 same as one call over all images; activations kept for backward are unchanged, only the transient

@@ -1,30 +1,26 @@
-"""``vlmfeed``: one command for the user tools.
-
-    vlmfeed inspect SHARDS... --out DIR        what a rank receives, sample by sample
-    vlmfeed profile SHARDS... [--model ...]    data throughput alone, with a verdict against a trainer
-    vlmfeed synth --out DIR --samples N        realistic synthetic (or image-free mock) shards
-    vlmfeed bench decode|service|soak|sizing   benchmarks
-    vlmfeed convert ...                        other data formats to WebDataset shards
-    vlmfeed sizes SHARDS... --out DIR          each shard's sample sizes, ahead of a balanced job
-    vlmfeed plan ...                           a training plan (parallelism, MBS) for a cluster
-
-Each subcommand's module is imported only when it is chosen, and gets the rest of the command
-line as it is; ``vlmfeed SUBCOMMAND --help`` shows its options. Training itself is
-``python -m trainer.run PIPELINE`` (what follows ``ray job submit --``).
+"""``vlmfeed``: one command for the user tools (``SUBCOMMANDS`` below lists them; ``vlmfeed --help``
+prints that list). Each subcommand's module is imported only when it is chosen, and gets the rest of
+the command line as it is; ``vlmfeed SUBCOMMAND --help`` shows its options, and
+``python -m MODULE`` runs the same. Training itself is ``python -m trainer.run PIPELINE`` (what
+follows ``ray job submit --``).
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
+from datasvc.usage import UserError
+
 # subcommand -> (module with ``main(argv)``, one line of help)
 SUBCOMMANDS = {
     "inspect": ("datasvc.tools.inspect", "write what a rank receives for some shards"),
+    "info": ("datasvc.tools.info", "what shards hold, without decoding: samples, formats, sizes, text lengths, vision tokens"),
     "profile": ("datasvc.tools.profile.cli", "measure data throughput alone and judge it against a trainer"),
     "synth": ("datasvc.tools.synth.cli", "write realistic synthetic (or image-free mock) shards"),
-    "bench": ("datasvc.tools.bench.cli", "benchmarks: decode, service, soak, sizing, balance, isolation, peers"),
+    "bench": ("datasvc.tools.bench.cli", "benchmarks, one question each (vlmfeed bench --help lists them)"),
     "convert": ("datasvc.tools.convert", "convert other data formats to WebDataset shards"),
     "sizes": ("datasvc.tools.sizes", "index each shard's sample sizes ahead of a --balance-dp job"),
+    "samples": ("datasvc.tools.samples", "write the bundled real photos (the default data) as shards"),
     # The one import of the trainer from the tools, by name and only when chosen: the planner sizes
     # a training job, so it lives with the trainer; the tools package never imports it statically.
     "plan": ("trainer.plan", "plan a training job (parallelism, micro-batch size) for a cluster"),
@@ -33,7 +29,7 @@ SUBCOMMANDS = {
 
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
-    lines = ["usage: vlmfeed SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines = ["usage: vlmfeed [--version] SUBCOMMAND [ARGS...]", "", "subcommands:"]
     lines += [f"  {name:{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
     lines += ["", "vlmfeed SUBCOMMAND --help shows a subcommand's options."]
     return "\n".join(lines)
@@ -66,14 +62,28 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"vlmfeed {version('vlmfeed')}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"vlmfeed: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+        import difflib
+
+        near = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        print(f"vlmfeed: unknown subcommand {name!r}; {hint}choose one of: {', '.join(SUBCOMMANDS)} "
+              "(vlmfeed --help says what each does)", file=sys.stderr)
         return 2
     run = _load(name)
     if run is None:
         return 2
-    result = run(rest)
+    try:
+        result = run(rest)
+    except UserError as exc:
+        print(f"vlmfeed {name}: {exc}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

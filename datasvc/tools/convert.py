@@ -1,8 +1,8 @@
 """Write WebDataset shards from the data people already have: Parquet (a file or a directory of
 them, as Hugging Face ``datasets`` writes it: image columns in the ``Image`` feature layout, a struct
-of ``bytes`` and ``path``, or a list of them; plain binary image columns too) with text, messages or
-conversations columns; or a LLaVA-style JSON (a list of ``{"id", "image", "conversations"}``) with
-its image folder.
+of ``bytes`` and ``path``, or a list of them; plain binary image columns, or columns of image file
+paths, too) with text, messages or conversations columns; or a LLaVA-style JSON (a list of
+``{"id", "image", "conversations"}``) with its image folder.
 
     python -m datasvc.tools.convert data/train/ --out shards/ --shard-bytes 512MB
     python -m datasvc.tools.convert llava_v1_5_mix665k.json --images-dir images/ --out shards/
@@ -13,32 +13,33 @@ data service keeps as metadata for filters); keys are the running sample number.
 when the next sample would take it past ``--shard-bytes``. Shards are written deterministically
 (fixed tar headers) under a temporary name, renamed when complete, and listed in
 ``OUT/.convert-progress.json``: a rerun keeps the complete shards that are still intact and goes on
-from the first that is not. Samples that cannot be converted (an image path that does not exist,
-no image bytes) are counted by reason in the summary, never fatal.
+from the first that is not.
+
+Nothing is written until the input passes ``datasvc.tools.convert_inputs``' checks (a kind convert
+reads, the columns asked for there and holding what they are named for, no bytes bound for the
+JSON). A row that cannot become a sample (an image file that does not exist, no text) is skipped,
+counted by reason, and named in ``OUT/convert-report.jsonl``; a run that writes no sample fails.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import hashlib
-import io
 import json
 import os
 import sys
 import tarfile
 from dataclasses import dataclass, field
 
+from datasvc.tools.convert_inputs import (CONVERSATION_COLUMNS, TEXT_COLUMNS, BadLine, Converted,
+                                          Skip, check_llava_images, image_bytes, image_names, input_kind,
+                                          load_llava, parquet_files, parquet_schema, read_image_file,
+                                          resolve_columns, without_nulls)
+from datasvc.usage import HelpFormatter, UserError
+
 PROGRESS = ".convert-progress.json"
-TEXT_COLUMNS = ("text", "caption", "txt")
-CONVERSATION_COLUMNS = ("messages", "conversations")
-_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"RIFF", "webp"))
-
-
-def image_ext(data: bytes, fallback: str = "jpg") -> str:
-    for magic, ext in _MAGIC:
-        if data.startswith(magic) and (ext != "webp" or data[8:12] == b"WEBP"):
-            return ext
-    return fallback
+REPORT = "convert-report.jsonl"
 
 
 def parse_bytes(text: str) -> int:
@@ -53,85 +54,29 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MB, 1GiB)") from None
 
 
-@dataclass(slots=True)
-class Converted:
-    """One sample as tar members: images in order, a caption, a JSON document."""
-
-    images: list[bytes]
-    text: str | None = None
-    doc: dict | None = None
-
-    def members(self, key: str) -> list[tuple[str, bytes]]:
-        out = []
-        for i, data in enumerate(self.images):
-            ext = image_ext(data)
-            out.append((f"{key}.{ext}" if len(self.images) == 1 else f"{key}.{i}.{ext}", data))
-        if self.text is not None:
-            out.append((f"{key}.txt", self.text.encode("utf-8")))
-        if self.doc:
-            out.append((f"{key}.json", json.dumps(self.doc, ensure_ascii=False, default=str).encode("utf-8")))
-        return out
-
-
-class Skip(Exception):
-    """A source row that cannot become a sample; ``reason`` is counted."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-# ---- sources: ``from_row(n)`` yields (row, convert) in a fixed order; convert() -> Converted or Skip ----
-
-def parquet_files(src: str) -> list[str]:
-    if os.path.isdir(src):
-        return sorted(glob.glob(os.path.join(src, "**", "*.parquet"), recursive=True))
-    return [src]
-
-
-def _is_image_type(t) -> bool:
-    import pyarrow as pa
-
-    if pa.types.is_struct(t):
-        return {t.field(i).name for i in range(t.num_fields)} >= {"bytes", "path"}
-    return pa.types.is_list(t) and _is_image_type(t.value_type)
-
-
-def _image_bytes(value, base_dir: str) -> list[bytes]:
-    if value is None:
-        return []
-    if isinstance(value, list):
-        return [b for v in value for b in _image_bytes(v, base_dir)]
-    if isinstance(value, (bytes, bytearray)):
-        return [bytes(value)]
-    data, path = value.get("bytes"), value.get("path")
-    if data:
-        return [bytes(data)]
-    if path:
-        full = path if os.path.isabs(path) else os.path.join(base_dir, path)
-        if os.path.isfile(full):
-            with open(full, "rb") as f:
-                return [f.read()]
-        raise Skip("image_file_not_found")
-    raise Skip("image_without_bytes")
-
-
-def _without_nulls(value):
-    """Arrow gives every struct in a column every field, null where a row had none (an image part
-    gets ``"text": None``): leave those out, as the row was written."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
+# ---- sources: ``from_row(n)`` yields (row, convert, where) in a fixed order; convert() -> Converted
+# or Skip; ``where`` locates the row for the report ----
 
 @dataclass(slots=True)
 class ParquetSource:
     files: list[str]
     image_columns: list[str] | None = None
     text_column: str | None = None
+    drop_columns: list[str] = field(default_factory=list)
+    no_images: bool = False
     batch_rows: int = 256
+    _columns: dict = field(default_factory=dict)  # file -> (image columns, caption column)
+
+    def check(self) -> None:
+        """Every file's columns, from the footers, before anything is written."""
+        for path in self.files:
+            self.columns(path)
+
+    def columns(self, path: str) -> tuple[list[str], str | None]:
+        if path not in self._columns:
+            self._columns[path] = resolve_columns(path, parquet_schema(path), self.image_columns, self.text_column,
+                                                  self.drop_columns, self.no_images)
+        return self._columns[path]
 
     def rows(self) -> int:
         import pyarrow.parquet as pq
@@ -139,12 +84,12 @@ class ParquetSource:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
 
     def describe(self) -> dict:
+        extra = {"drop_columns": self.drop_columns} if self.drop_columns else {}
         return {"kind": "parquet", "files": [(f, os.path.getsize(f)) for f in self.files],
-                "image_columns": self.image_columns, "text_column": self.text_column}
+                "image_columns": self.image_columns, "text_column": self.text_column} | extra
 
     def from_row(self, start: int):
-        """(row number, convert) from row ``start`` on; whole files before it are not read."""
-        import pyarrow as pa
+        """(row number, convert, where) from row ``start`` on; whole files before it are not read."""
         import pyarrow.parquet as pq
 
         row = 0
@@ -153,29 +98,32 @@ class ParquetSource:
             if row + pf.metadata.num_rows <= start:
                 row += pf.metadata.num_rows
                 continue
-            schema = pf.schema_arrow
-            images = self.image_columns or [f.name for f in schema if _is_image_type(f.type)
-                                            or (pa.types.is_binary(f.type) and f.name in ("image", "jpg", "png"))]
-            text = self.text_column or next((c for c in TEXT_COLUMNS if c in schema.names), None)
+            images, text = self.columns(path)
+            first_row = row
             for batch in pf.iter_batches(batch_size=self.batch_rows):
                 if row + batch.num_rows <= start:
                     row += batch.num_rows
                     continue
                 for values in batch.to_pylist():
                     if row >= start:
-                        yield row, lambda v=values: self._convert(v, images, text, os.path.dirname(path))
+                        where = {"file": path, "file_row": row - first_row} | (
+                            {"id": values["id"]} if isinstance(values.get("id"), (str, int)) else {})
+                        yield row, functools.partial(self._convert, values, images, text, os.path.dirname(path)), where
                     row += 1
 
-    @staticmethod
-    def _convert(row: dict, image_columns: list[str], text_column: str | None, base_dir: str) -> Converted:
-        out = Converted([b for c in image_columns for b in _image_bytes(row.get(c), base_dir)])
+    def _convert(self, row: dict, image_columns: list[str], text_column: str | None, base_dir: str) -> Converted:
+        out = Converted([b for c in image_columns for b in image_bytes(row.get(c), base_dir)])
         caption = row.get(text_column) if text_column else None
-        out.text = caption if isinstance(caption, str) else None
-        doc = {k: _without_nulls(v) for k, v in row.items()
-               if k not in image_columns and k != text_column and v is not None}
+        out.text = caption if isinstance(caption, str) and caption.strip() else None
+        doc = {k: without_nulls(v) for k, v in row.items()
+               if k not in image_columns and k != text_column and k not in self.drop_columns and v is not None}
         out.doc = doc or None
         if out.text is None and not any(c in doc for c in CONVERSATION_COLUMNS):
-            raise Skip("no_text_or_messages")
+            raise Skip("no_text_or_messages", f"{text_column or 'no caption column'} is empty and there is no "
+                                              f"{' or '.join(CONVERSATION_COLUMNS)}")
+        if not out.images and not self.no_images and not any(c in doc for c in CONVERSATION_COLUMNS):
+            # a caption describes its image: alone it would train as text what was never seen
+            raise Skip("no_image", f"{', '.join(image_columns)} empty in this row")
         return out
 
 
@@ -183,15 +131,19 @@ class ParquetSource:
 class LlavaSource:
     path: str
     images_dir: str | None = None
-    _entries: list = field(default_factory=list)
+    _entries: list | None = None
 
     def _load(self) -> list:
-        if not self._entries:
-            with open(self.path, encoding="utf-8") as f:
-                first = f.read(1)
-                f.seek(0)
-                self._entries = json.load(f) if first == "[" else [json.loads(line) for line in f if line.strip()]
+        if self._entries is None:
+            self._entries = load_llava(self.path)
         return self._entries
+
+    @property
+    def base(self) -> str:
+        return self.images_dir or os.path.dirname(os.path.abspath(self.path))
+
+    def check(self) -> None:
+        check_llava_images(self.path, self._load(), self.base, self.images_dir is not None)
 
     def rows(self) -> int:
         return len(self._load())
@@ -200,32 +152,33 @@ class LlavaSource:
         return {"kind": "llava", "file": (self.path, os.path.getsize(self.path)), "images_dir": self.images_dir}
 
     def from_row(self, start: int):
-        base = self.images_dir or os.path.dirname(os.path.abspath(self.path))
         for row, entry in enumerate(self._load()[start:], start):
-            yield row, lambda e=entry: self._convert(e, base)
+            where = {"id": entry["id"]} if isinstance(entry, dict) and isinstance(entry.get("id"), (str, int)) else {}
+            yield row, functools.partial(self._convert, entry, self.base), where
 
     @staticmethod
     def _convert(entry, base: str) -> Converted:
+        if isinstance(entry, BadLine):
+            raise Skip("bad_json", entry.detail)
         if not isinstance(entry, dict) or not any(c in entry for c in CONVERSATION_COLUMNS):
-            raise Skip("not_a_llava_entry")
-        names = entry.get("image") or entry.get("images") or []
-        images = []
-        for name in [names] if isinstance(names, str) else names:
-            full = os.path.join(base, name)
-            if not os.path.isfile(full):
-                raise Skip("image_file_not_found")
-            with open(full, "rb") as f:
-                images.append(f.read())
+            raise Skip("not_a_llava_entry", f"keys: {', '.join(map(str, entry))[:200]}" if isinstance(entry, dict)
+                       else f"a JSON {type(entry).__name__}, not an object")
+        names = image_names(entry)
+        if not all(isinstance(n, str) for n in names):
+            raise Skip("image_value_unreadable", f"image names must be strings: {names!r}"[:200])
+        images = [read_image_file(name, base) for name in names]
         return Converted(images, None, {k: v for k, v in entry.items() if k not in ("image", "images")})
 
 
-def open_source(src: str, images_dir: str | None = None, image_columns=None, text_column=None):
-    if src.endswith((".json", ".jsonl")):
-        return LlavaSource(src, images_dir)
-    files = parquet_files(src)
-    if not files or not all(os.path.isfile(f) for f in files):
-        raise SystemExit(f"no Parquet files at {src!r}: pass a .parquet file, a directory of them, or a LLaVA .json")
-    return ParquetSource(files, image_columns, text_column)
+def open_source(src: str, images_dir: str | None = None, image_columns=None, text_column=None,
+                drop_columns=(), no_images: bool = False):
+    """The source for ``src``, its input checked (``UserError`` otherwise)."""
+    if input_kind(src) == "llava":
+        source = LlavaSource(src, images_dir)
+    else:
+        source = ParquetSource(parquet_files(src), image_columns, text_column, list(drop_columns), no_images)
+    source.check()
+    return source
 
 
 # ---- the writer ----------------------------------------------------------------------------------
@@ -240,15 +193,34 @@ def _tar_member(name: str, data: bytes) -> bytes:
 
 @dataclass(slots=True)
 class Summary:
+    out: str = ""
     shards: int = 0
     samples: int = 0
     bytes: int = 0
     kept_shards: int = 0
     skipped: dict = field(default_factory=dict)
+    names: list = field(default_factory=list)  # the shard files, in order
+    report: str = ""  # every skipped row, one JSON line each
 
     def as_dict(self) -> dict:
-        return {"shards": self.shards, "samples": self.samples, "bytes": self.bytes,
-                "kept_from_earlier_run": self.kept_shards, "skipped": self.skipped}
+        return {"out": self.out, "shards": self.shards, "samples": self.samples, "bytes": self.bytes,
+                "kept_from_earlier_run": self.kept_shards, "skipped": self.skipped, "report": self.report}
+
+    def lines(self) -> list[str]:
+        """What a run wrote, for people: where, how much, and what it left out."""
+        first_last = " .. ".join(dict.fromkeys([self.names[0], self.names[-1]])) if self.names else ""
+        kept = f"; {self.kept_shards} kept from an earlier run" if self.kept_shards else ""
+        lines = [f"wrote {_count(self.samples, 'sample')} in {_count(self.shards, 'shard')} ({self.bytes / 1e6:.1f} MB) "
+                 f"to {self.out}"
+                 + (f": {first_last}" if first_last else "") + kept]
+        if self.skipped:
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+            lines.append(f"skipped {_count(sum(self.skipped.values()), 'row')} ({reasons}), each named in {self.report}")
+        return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _load_progress(out: str, fingerprint: str) -> list[dict]:
@@ -259,7 +231,7 @@ def _load_progress(out: str, fingerprint: str) -> list[dict]:
     with open(path) as f:
         state = json.load(f)
     if state.get("fingerprint") != fingerprint:
-        raise SystemExit(f"{out} holds shards of another conversion (other source or options): "
+        raise UserError(f"{out} holds shards of another conversion (other source or options): "
                          "pass an empty --out directory, or delete it")
     kept = []
     for shard in state["shards"]:
@@ -277,6 +249,113 @@ def _save_progress(out: str, fingerprint: str, shards: list[dict], done: bool) -
     os.replace(tmp, os.path.join(out, PROGRESS))
 
 
+class _ShardWriter:
+    """Samples into shards closed before they pass ``shard_bytes``, each written under a temporary
+    name, renamed when whole and then recorded in the progress file with the rows it covers."""
+
+    def __init__(self, out: str, prefix: str, fingerprint: str, shard_bytes: int):
+        self.out, self.prefix, self.fingerprint, self.shard_bytes = out, prefix, fingerprint, shard_bytes
+        self.shards = _load_progress(out, fingerprint)
+        self.kept = len(self.shards)
+        self.samples = sum(s["samples"] for s in self.shards)
+        self.skipped: dict[str, int] = {}
+        for s in self.shards:
+            for reason, n in s["skipped"].items():
+                self.skipped[reason] = self.skipped.get(reason, 0) + n
+        self._start_shard()
+
+    @property
+    def resume_at(self) -> int:
+        return self.shards[-1]["next_row"] if self.shards else 0
+
+    def remove_stale(self) -> None:
+        """Partial shards, and shards past the intact ones."""
+        intact = {s["name"] for s in self.shards}
+        for stale in glob.glob(os.path.join(self.out, f"{self.prefix}-*.tar*")):
+            if os.path.basename(stale) not in intact:
+                os.remove(stale)
+
+    def _start_shard(self) -> None:
+        self.pending: list[bytes] = []
+        self.pending_bytes, self.pending_samples, self.pending_skipped = 0, 0, {}
+
+    def add(self, row: int, blob: bytes) -> None:
+        if self.pending and self.pending_bytes + len(blob) > self.shard_bytes:
+            self._close(row)
+        self.pending.append(blob)
+        self.pending_bytes += len(blob)
+        self.pending_samples += 1
+        self.samples += 1
+
+    def skip(self, reason: str) -> None:
+        self.pending_skipped[reason] = self.pending_skipped.get(reason, 0) + 1
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def _close(self, next_row: int) -> None:
+        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        path = os.path.join(self.out, name)
+        with open(path + ".tmp", "wb") as f:
+            f.writelines(self.pending)
+            f.write(b"\0" * (2 * tarfile.BLOCKSIZE))
+            f.write(b"\0" * (-f.tell() % tarfile.RECORDSIZE))
+        os.replace(path + ".tmp", path)
+        self.shards.append({"name": name, "samples": self.pending_samples, "file_bytes": os.path.getsize(path),
+                            "next_row": next_row, "skipped": self.pending_skipped})
+        _save_progress(self.out, self.fingerprint, self.shards, done=False)
+        self._start_shard()
+
+    def finish(self, total_rows: int) -> None:
+        if self.pending:
+            self._close(total_rows)
+        elif self.pending_skipped and self.shards:  # skipped rows after the last sample belong to the last shard
+            for reason, n in self.pending_skipped.items():
+                self.shards[-1]["skipped"][reason] = self.shards[-1]["skipped"].get(reason, 0) + n
+            self.shards[-1]["next_row"] = total_rows
+        _save_progress(self.out, self.fingerprint, self.shards, done=True)
+
+    def summary(self, report: str) -> Summary:
+        return Summary(self.out, len(self.shards), self.samples, sum(s["file_bytes"] for s in self.shards),
+                       self.kept, dict(self.skipped), [s["name"] for s in self.shards], report)
+
+
+class _SkipReport:
+    """``OUT/convert-report.jsonl``: one line per row that became no sample, where it is and why.
+    A resumed run keeps the lines of the rows its kept shards cover and writes the rest again."""
+
+    def __init__(self, path: str, resume_at: int):
+        self.path = path
+        earlier = []
+        if resume_at and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                earlier = [line for line in f if _report_row(line) < resume_at]
+        self._file = open(path, "w", encoding="utf-8")
+        self._file.writelines(earlier)
+
+    def add(self, row: int, skip: Skip, where: dict) -> None:
+        entry = {"row": row, **where, "reason": skip.reason} | ({"detail": skip.detail} if skip.detail else {})
+        self._file.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _report_row(line: str) -> float:
+    try:
+        return json.loads(line)["row"]
+    except (ValueError, KeyError, TypeError):  # a line cut by an interrupted run: written again
+        return float("inf")
+
+
+def _sample_blob(make, row: int) -> bytes:
+    """One row as tar members, or ``Skip``; whatever else a row's values raise costs that row alone."""
+    try:
+        return b"".join(_tar_member(n, d) for n, d in make().members(f"{row:09d}"))
+    except Skip:
+        raise
+    except Exception as exc:  # e.g. a lone surrogate in a string, which UTF-8 cannot encode
+        raise Skip("unconvertible_row", f"{type(exc).__name__}: {exc}"[:300]) from None
+
+
 def convert(source, out: str, shard_bytes: int = 512 << 20, prefix: str = "shard", progress: bool = True) -> Summary:
     """Write ``source``'s samples as shards under ``out``; resumes an interrupted run of the same job."""
     from tqdm import tqdm
@@ -284,84 +363,72 @@ def convert(source, out: str, shard_bytes: int = 512 << 20, prefix: str = "shard
     os.makedirs(out, exist_ok=True)
     fingerprint = hashlib.sha1(json.dumps([source.describe(), shard_bytes, prefix], default=str)
                                .encode()).hexdigest()[:16]
-    shards = _load_progress(out, fingerprint)
-    summary = Summary(kept_shards=len(shards))
-    resume_at = shards[-1]["next_row"] if shards else 0
-    for stale in glob.glob(os.path.join(out, f"{prefix}-*.tar*")):  # partial, or past the intact ones
-        if os.path.basename(stale) not in {s["name"] for s in shards}:
-            os.remove(stale)
-    for s in shards:
-        for reason, n in s["skipped"].items():
-            summary.skipped[reason] = summary.skipped.get(reason, 0) + n
-        summary.samples += s["samples"]
-    bar = tqdm(total=source.rows(), initial=resume_at, unit="row", disable=not progress, file=sys.stderr,
+    writer = _ShardWriter(out, prefix, fingerprint, shard_bytes)
+    writer.remove_stale()
+    report = _SkipReport(os.path.join(out, REPORT), writer.resume_at)
+    total = source.rows()
+    bar = tqdm(total=total, initial=writer.resume_at, unit="row", disable=not progress, file=sys.stderr,
                desc=f"convert -> {out}")
-    pending: list[bytes] = []
-    pending_bytes, pending_samples, pending_skipped = 0, 0, {}
-
-    def close_shard(next_row: int) -> None:
-        nonlocal pending, pending_bytes, pending_samples, pending_skipped
-        name = f"{prefix}-{len(shards):06d}.tar"
-        tmp = os.path.join(out, name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.writelines(pending)
-            f.write(b"\0" * (2 * tarfile.BLOCKSIZE))
-            f.write(b"\0" * (-f.tell() % tarfile.RECORDSIZE))
-        os.replace(tmp, os.path.join(out, name))
-        shards.append({"name": name, "samples": pending_samples, "file_bytes": os.path.getsize(os.path.join(out, name)),
-                       "next_row": next_row, "skipped": pending_skipped})
-        _save_progress(out, fingerprint, shards, done=False)
-        pending, pending_bytes, pending_samples, pending_skipped = [], 0, 0, {}
-
-    for row, make in source.from_row(resume_at):
-        try:
-            sample = make()
-        except Skip as exc:
-            pending_skipped[exc.reason] = pending_skipped.get(exc.reason, 0) + 1
-            summary.skipped[exc.reason] = summary.skipped.get(exc.reason, 0) + 1
+    try:
+        for row, make, where in source.from_row(writer.resume_at):
+            try:
+                writer.add(row, _sample_blob(make, row))
+            except Skip as exc:
+                writer.skip(exc.reason)
+                report.add(row, exc, where)
             bar.update(1)
-            continue
-        blob = b"".join(_tar_member(n, d) for n, d in sample.members(f"{row:09d}"))
-        if pending and pending_bytes + len(blob) > shard_bytes:
-            close_shard(row)
-        pending.append(blob)
-        pending_bytes += len(blob)
-        pending_samples += 1
-        summary.samples += 1
-        bar.update(1)
-    if pending:
-        close_shard(source.rows())
-    elif pending_skipped and shards:  # skipped rows after the last sample belong to the last shard
-        for reason, n in pending_skipped.items():
-            shards[-1]["skipped"][reason] = shards[-1]["skipped"].get(reason, 0) + n
-        shards[-1]["next_row"] = source.rows()
-    bar.close()
-    _save_progress(out, fingerprint, shards, done=True)
-    summary.shards = len(shards)
-    summary.bytes = sum(s["file_bytes"] for s in shards)
-    return summary
+    finally:
+        report.close()
+        bar.close()
+    writer.finish(total)
+    return writer.summary(report.path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlmfeed convert", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("src", help="a .parquet file, a directory of them, or a LLaVA-style .json/.jsonl")
     ap.add_argument("--out", required=True, help="directory for the shards (a rerun resumes there)")
     ap.add_argument("--shard-bytes", type=parse_bytes, default=512 << 20, help="close a shard before it passes this")
     ap.add_argument("--prefix", default="shard", help="shard file names: PREFIX-000000.tar, ...")
     ap.add_argument("--images-dir", default=None, help="LLaVA: where the entries' image paths start (default: the "
                                                        "JSON's directory)")
-    ap.add_argument("--image-column", action="append", default=None, help="Parquet: image column(s) (default: every "
-                                                                           "column in the Image feature layout)")
+    ap.add_argument("--image-column", action="append", default=None, help="Parquet: image column(s), holding bytes, "
+                    "the Image feature or file paths (default: every column in the Image feature layout)")
     ap.add_argument("--text-column", default=None, help=f"Parquet: the caption column (default: first of "
                                                         f"{', '.join(TEXT_COLUMNS)})")
+    ap.add_argument("--drop-column", action="append", default=[], help="Parquet: a column left out of the samples")
+    ap.add_argument("--no-images", action="store_true", help="Parquet: text-only data; no image column expected")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    source = open_source(args.src, args.images_dir, args.image_column, args.text_column)
-    summary = convert(source, args.out, args.shard_bytes, args.prefix, progress=not args.quiet)
-    print(json.dumps(summary.as_dict(), indent=1))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise UserError(f"--out {args.out} is a file; pass a directory (a new one, or one this command wrote)")
+        source = open_source(args.src, args.images_dir, args.image_column, args.text_column, args.drop_column,
+                             args.no_images)
+        summary = convert(source, args.out, args.shard_bytes, args.prefix, progress=not args.quiet)
+    except UserError as exc:
+        print(f"vlmfeed convert: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk, a directory not writable: the shards written so far stay
+        print(f"vlmfeed convert: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    for line in summary.lines():
+        print(line)
+    if isinstance(source, LlavaSource) and "image_file_not_found" in summary.skipped:
+        print(f"image paths were looked up under {source.base}; pass --images-dir if they start elsewhere")
+    if summary.samples == 0:
+        why = "the input has no rows" if not summary.skipped else f"every row was skipped, see {summary.report}"
+        print(f"vlmfeed convert: nothing usable was written: {why}", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from datasvc.tools.cli import main as vlmfeed
+
+    sys.exit(vlmfeed(["convert", *sys.argv[1:]]))

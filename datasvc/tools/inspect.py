@@ -1,290 +1,365 @@
-"""See what a trainer rank receives: run shards through the real data path and write it all down.
+"""See what a trainer rank receives: run shards through the training stream and write it all down.
 
-    vlmfeed inspect SHARDS... --out DIR [--pipeline qwen3vl] [--decode cpu|gpu]
-                    [--seq-len N --mbs B [--dp-size D --rank R] [--seed S]] [--max-pixels P] [--min-pixels P]
+    vlmfeed inspect SHARDS... --out DIR [--limit N | --all] [--device cpu|gpu] [--no-pack]
+                    [--seq-len N] [--mbs B] [--dp-size D] [--rank R] [--seed S] [--max-pixels P]
+                    [--min-pixels P] [--decode cpu|gpu] [--pipeline qwen3vl] [--tokenizer T]
 
-For every sample that survives: ``DIR/<key>.npz`` with ``pixel_values`` (float32, the model's
-[sum(t*h*w), 3*T*P*P] rows), ``image_grid_thw``, ``input_ids`` and ``labels`` (before packing).
-A summary table on stdout (key, image sizes, grid, text and vision tokens, reason if rejected),
-``DIR/summary.json`` (the same rows, the accounting, packing figures) and ``DIR/quarantine.jsonl``
-(shard, key, reason, detail of every sample that did not make it).
+The stream is the one ``trainer.run`` trains from, built by ``datasvc.training.training_config``:
+the device's sequence length and pixel cap (``--device``: gpu where torch sees a CUDA GPU, as
+``trainer.run`` then trains on GPUs, else its CPU path's), blocks sized from the shards and packed
+in chains, made by the block producer a feeder runs, for DP rank ``--rank``; flags override any of
+it. One epoch: up to the epoch's last block this is the trainer's stream exactly (at that block
+the trainer's stream runs on into the next epoch, and holds part-full rows for it).
 
-With ``--seq-len``, the micro-batches of DP rank ``--rank`` too (``DIR/packed-00000.npz``, ... in
-delivery order, each with its position: epoch, block, batch, step), made by the same block
-producer a feeder runs (``datasvc.producer``): the rank's work items in the epoch's shuffled
-order, blocks sized and packed in chains as ``trainer.run`` makes them, one epoch. Without it,
-samples go through the preprocessing actors' work (``process.ItemProcessor``) in shard order.
+``--limit N`` (default 16; ``--all`` or 0 for every sample) stops after the micro-batch that brings
+the rank's samples to N: whole micro-batches, so a few more than N may come. The samples of the
+blocks read past it are counted as ``in_flight``.
+
+In DIR, per micro-batch NNNNN of the rank's stream, in delivery order:
+
+- ``packed-NNNNN.npz`` (compressed; ``datasvc.tools.inspect_arrays``): ``tokens``, ``labels``,
+  ``loss_mask``, ``cu_seqlens``, ``num_samples``, ``image_grid_thw`` and ``video_grid_thw`` as the
+  rank gets them; ``image_pixels`` and ``video_pixels``, the uint8 RGB images (at their grid's
+  size) and video frames the rank's float ``pixel_values`` and ``pixel_values_videos`` are made
+  from, in rows of one patch, with ``image_mean``, ``image_std`` and the patch sizes;
+  ``image_frame_hw`` (the size each image travels at); the samples' keys, names, rows, epochs, plan
+  ordinals, image and video counts; ``position`` (epoch, block, batch, step).
+  ``inspect_arrays.rank_fields(path)`` rebuilds the float arrays with the rank's own functions.
+- ``sheet-NNNNN.png``: its images and a few frames of each video as labelled thumbnails
+  (key, row, grid t x h x w, vision tokens; ``datasvc.tools.inspect_sheet``).
+- ``text-NNNNN.txt``: each row's decoded ChatML, image and video pad runs collapsed to
+  ``<image HxW = N tokens>``, untrained tokens in ``[[...]]`` (``datasvc.tools.inspect_text``).
+
+And ``summary.json`` (the geometry, the table's rows, the accounting, packing figures, each
+micro-batch's fields and shapes as the rank receives them), ``quarantine.jsonl`` (shard, key,
+reason, detail of every sample that did not make it). ``--no-pack`` shows samples alone, in shard
+order through the preprocessing actors' work: ``samples/KEY.npz`` (``input_ids``, ``labels``, grids
+and uint8 pixels, before packing) instead of the micro-batch files.
 """
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import re
 import sys
-import warnings
+import time
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
-import numpy as np
+from datasvc.read.shards import NoShardsError, expand_shards
+from datasvc.tools import inspect_arrays
+from datasvc.tools.inspect_samples import SampleRecorder, print_table, sanitize, write_quarantine
+from datasvc.tools.inspect_stream import write_stream
+from datasvc.training import add_data_flags, default_device
+from datasvc.usage import UserError
 
-from datasvc.rejects import RULE_PREFIX, RULE_REASONS
-from datasvc.shards import NoShardsError, expand_shards
-from datasvc.vision import to_pixel_values
-
-_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._+=,@-]")
-
-
-def sanitize(key: str) -> str:
-    """A sample key as one safe file name: '/' becomes '__', other odd characters '_'."""
-    name = _UNSAFE_CHARS.sub("_", key.replace("/", "__").replace(os.sep, "__"))
-    name = name.lstrip(".") or "_"
-    return name[:200]
+DEFAULT_LIMIT = 16
 
 
-def _image_sizes(data_list) -> list[str]:
-    from PIL import Image
+@dataclass(frozen=True, kw_only=True)
+class InspectConfig:
+    """What to inspect; unset geometry (None) is the device's, as ``trainer.run`` trains."""
 
-    sizes = []
-    for _ext, data in data_list:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                im = Image.open(io.BytesIO(data))
-            sizes.append(f"{im.width}x{im.height}")
-        except Exception:
-            sizes.append("?")
-    return sizes
+    pipeline: str = "qwen3vl"
+    device: Literal["cpu", "gpu"] | None = None  # None: gpu where torch sees a CUDA GPU
+    decode: Literal["cpu", "gpu"] = "cpu"
+    pack: bool = True  # False: samples alone, in shard order
+    seq_len: int | None = None
+    micro_batch_size: int = 1
+    dp_size: int = 1
+    rank: int = 0
+    seed: int = 0
+    max_pixels: int | None = None
+    min_pixels: int | None = None
+    pipeline_options: dict = field(default_factory=dict)
+    limit: int | None = DEFAULT_LIMIT  # samples; None: all
+    write_samples: bool = True  # --no-pack's samples/KEY.npz
+    progress: bool = False  # progress lines on stderr once a run takes a few seconds
+
+    def __post_init__(self):
+        if self.device not in (None, "cpu", "gpu"):
+            raise UserError(f"--device {self.device}: use cpu or gpu")
+        for name in ("micro_batch_size", "dp_size", "seq_len", "max_pixels", "min_pixels"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, not {value}")
+        if not 0 <= self.rank < self.dp_size:
+            raise UserError(f"--rank {self.rank} must be in [0, --dp-size {self.dp_size})")
+        if self.limit is not None and self.limit < 0:
+            raise UserError(f"--limit must be >= 0 (0: every sample), not {self.limit}")
 
 
-class _SampleWriter:
-    """Runs the preprocessing actors' work on an item and writes down what came of each sample: a
-    row for the table, the sample's ``.npz``, and each rejection (every one: no log cap)."""
+def service_config(paths: list[str], config: InspectConfig):
+    """(``ServiceConfig``, block sizing or None): ``trainer.run``'s stream for these shards, one epoch."""
+    from datasvc.training import training_config
 
-    def __init__(self, processor, out_dir: str, write_samples: bool):
-        self.processor, self.out_dir, self.write_samples = processor, out_dir, write_samples
-        self.spec = processor.pipeline.vision
-        self.rows: dict[tuple[str, str], dict] = {}
-        self.rejections: list = []
-        self.names: set[str] = set()
+    options = dict(config.pipeline_options)
+    # training_config takes the pixel caps as arguments of their own, not among the pipeline's options
+    caps = {name: options.pop(name, None) for name in ("max_pixels", "min_pixels")}
+    return training_config(paths, device=config.device or default_device(), pipeline=config.pipeline,
+                           seq_len=config.seq_len, micro_batch_size=config.micro_batch_size, dp_size=config.dp_size,
+                           max_pixels=config.max_pixels or caps["max_pixels"],
+                           min_pixels=config.min_pixels or caps["min_pixels"], pipeline_options=options,
+                           items_per_block=None if config.pack else 1, decode=config.decode, seed=config.seed,
+                           epochs=1)
+
+
+class Progress:
+    """Progress lines on stderr once a run has taken ``after_s``, then one every ``every_s``."""
+
+    def __init__(self, enabled: bool, after_s: float = 3.0, every_s: float = 2.0, out=sys.stderr):
+        self.enabled, self.after_s, self.every_s, self.out = enabled, after_s, every_s, out
+        self.start = self.last = time.monotonic()
+        self.shown = False
+
+    def update(self, text: str) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.start >= self.after_s and (not self.shown or now - self.last >= self.every_s):
+            print(f"inspect: {text} ({now - self.start:.0f} s)", file=self.out, flush=True)
+            self.shown, self.last = True, now
+
+
+class OutputFiles:
+    """The files a run writes under its directory, for the closing list and their size on disk."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.names: list[str] = []
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.out_dir, name)
+
+    def added(self, name: str) -> str:
+        self.names.append(name)
+        return name
+
+    def json(self, name: str, data) -> None:
+        with open(self.path(name), "w") as f:
+            json.dump(data, f, indent=1)
+        self.added(name)
+
+    def text(self, name: str, text: str) -> None:
+        with open(self.path(name), "w") as f:
+            f.write(text)
+        self.added(name)
+
+    def total_bytes(self) -> int:
+        return sum(os.path.getsize(self.path(n)) for n in self.names)
+
+    def describe(self) -> str:
+        """``6 packed-*.npz, 6 sheet-*.png, ..., summary.json``: counted by kind."""
+        kinds: dict[str, int] = {}
+        for name in self.names:
+            stem, ext = os.path.splitext(name)
+            prefix = stem.split("-")[0] if stem[-5:].isdigit() else None
+            kind = f"samples/*{ext}" if name.startswith("samples/") else f"{prefix}-*{ext}" if prefix else name
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return ", ".join(k if n == 1 and "*" not in k else f"{n} {k}" for k, n in kinds.items())
+
+
+class RecoveringRecorder(SampleRecorder):
+    """A ``SampleRecorder`` whose items fail as the service's do (``datasvc.stream.recovery``): an item that
+    raises is run again, then sample by sample, and a sample that still raises is quarantined
+    ``worker_error`` with the exception, in the table and ``quarantine.jsonl`` like any rejection.
+    So a shard this process may not read (permission denied) is counted, as the service counts it."""
 
     def __call__(self, item):
-        from datasvc.shards import read_samples
+        from datasvc.stream.recovery import Recovery, Task
 
-        res = self.processor(item)
-        sizes = {raw.key: _image_sizes(raw.images)
-                 for raw in read_samples(item.shard, [s for s in item.samples if not s.problem], self.processor.limits)}
-        self.rejections.extend(res.accounting.log)
-        where = {sample.key: item.first + i for i, sample in enumerate(item.samples)}  # for the table's order
-        for rej in res.accounting.log:
-            self.rows[(item.shard, rej.key)] = {
-                "shard": item.shard, "key": rej.key, "status": "rejected", "reason": rej.reason, "detail": rej.detail,
-                "image_sizes": sizes.get(rej.key, []), "grids": [], "text_tokens": None, "vision_tokens": None,
-                "file": None, "index": where.get(rej.key, 0)}
-        for s in res.samples:
-            self.rows[(item.shard, s.key)] = {**self._sample_row(item.shard, s, sizes.get(s.key, [])),
-                                              "index": where.get(s.key, 0)}
-        return res
-
-    def _sample_row(self, shard: str, s, sizes: list[str]) -> dict:
-        grids = [tuple(int(v) for v in g) for g in s.image_grid_thw]
-        vision = sum(self.spec.vision_tokens(g) for g in grids)
-        name = sanitize(s.key)
-        if name in self.names:  # same key in two shards
-            name = sanitize(f"{os.path.splitext(os.path.basename(shard))[0]}/{s.key}")
-        self.names.add(name)
-        fname = f"{name}.npz"
-        if self.write_samples:
-            np.savez(os.path.join(self.out_dir, fname),
-                     pixel_values=to_pixel_values(s.pixels, self.spec, s.image_grid_thw, frames_hw=s.image_frame_hw),
-                     image_grid_thw=np.asarray(s.image_grid_thw, np.int64).reshape(-1, 3),
-                     input_ids=np.asarray(s.input_ids, np.int64), labels=np.asarray(s.labels, np.int64),
-                     key=np.array(s.key), shard=np.array(shard))
-        return {"shard": shard, "key": s.key, "status": "ok", "reason": "", "detail": "", "image_sizes": sizes,
-                "grids": [list(g) for g in grids], "text_tokens": s.num_tokens - vision, "vision_tokens": vision,
-                "tokens": s.num_tokens, "file": fname}
+        recovery, done = Recovery(rank=0), []
+        recovery.backlog.append(Task("item", item))
+        while recovery.backlog:
+            task = recovery.backlog.pop(0)
+            try:
+                recovery.finish(task, super().__call__(task.item), done)
+            except Exception as exc:  # what a preprocessing actor raising would be
+                recovery.raised(task, f"{type(exc).__name__}: {exc}"[:300], done)
+        ((_, result),) = done
+        where = {s.key: item.first + i for i, s in enumerate(item.samples)}
+        for rej in result.accounting.log:
+            if (item.shard, rej.key) not in self.rows:  # quarantined whole: no row recorded yet
+                self.rejections.append(rej)
+                self.rows[(item.shard, rej.key)] = {
+                    "shard": item.shard, "key": rej.key, "status": "rejected", "reason": rej.reason,
+                    "detail": rej.detail, "image_sizes": [], "video_sizes": [], "grids": [], "video_grids": [],
+                    "text_tokens": None, "image_tokens": None, "video_tokens": None, "vision_tokens": None,
+                    "file": None, "index": where.get(rej.key, 0)}
+        return result
 
 
-def _data_config(paths: list[str], pipeline_name: str, pipeline_options: dict, decode: str, seq_len: int | None,
-                 micro_batch_size: int, dp_size: int, seed: int):
-    """The config a trainer's feeder would run (one epoch), with blocks as ``trainer.run`` sizes them."""
-    from datasvc.config import ServiceConfig
-    from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
+def inspect_shards(shards: list[str], out_dir: str, **options) -> dict:
+    """Write what a rank receives for ``shards`` under ``out_dir`` (see the module docstring);
+    ``options`` are ``InspectConfig``'s fields. Returns the summary (also ``summary.json``)."""
+    from datasvc.stream.process import ItemProcessor
 
-    cfg = ServiceConfig(shards=tuple(paths), pipeline=pipeline_name, pipeline_options=pipeline_options,
-                        seq_len=seq_len or ServiceConfig.seq_len, micro_batch_size=micro_batch_size, decode=decode,
-                        dp_size=dp_size, seed=seed, epochs=1, blocks_span_epochs=True,
-                        chain_blocks=TRAINING_CHAIN_BLOCKS)
-    return size_blocks(cfg)[0] if seq_len else cfg
-
-
-def _pack_with_producer(cfg, rank: int, writer: _SampleWriter, out_dir: str) -> tuple[dict, dict]:
-    """The rank's micro-batches as its feeder makes them, written in delivery order; (packing
-    figures, the producer's accounting)."""
-    from types import SimpleNamespace
-
-    from datasvc.packing import padding_efficiency
-    from datasvc.producer import BlockProducer
-
-    producer = BlockProducer(cfg, rank, process=writer)
-    files, positions = [], []
-    real = row_tokens = rows = 0
-    for b, pos in producer.micro_batches():
-        fname = f"packed-{len(files):05d}.npz"
-        np.savez(os.path.join(out_dir, fname), tokens=b.tokens, labels=b.labels, loss_mask=b.loss_mask,
-                 cu_seqlens=b.cu_seqlens, num_samples=b.num_samples,
-                 pixel_values=to_pixel_values(b.pixels, writer.spec, b.image_grid_thw, frames_hw=b.image_frame_hw),
-                 image_grid_thw=b.image_grid_thw, sample_keys=np.array(b.sample_keys, dtype=str),
-                 sample_rows=b.sample_rows if b.sample_rows is not None else np.zeros(0, np.int32),
-                 position=np.array([pos.epoch, pos.block, pos.batch, pos.step], np.int64))
-        files.append(fname)
-        positions.append(pos.as_dict())
-        real += b.real_tokens
-        row_tokens += b.tokens.size
-        rows += b.tokens.shape[0]
-    lengths = [r["tokens"] for r in writer.rows.values() if r["status"] == "ok"]
-    packing = {
-        "seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size, "rank": rank, "dp_size": cfg.dp_size,
-        "seed": cfg.seed, "items_per_block": cfg.items_per_block, "chain_blocks": cfg.chain_blocks,
-        "micro_batches": len(files), "rows": rows, "real_tokens": real, "row_tokens": row_tokens,
-        "samples_too_long": sum(n > cfg.seq_len for n in lengths),
-        "packing_efficiency": round(real / max(1, row_tokens), 4),
-        "padding_efficiency": round(padding_efficiency([SimpleNamespace(num_tokens=n) for n in lengths],
-                                                       cfg.seq_len), 4),
-        "rows_if_padded": sum(n <= cfg.seq_len for n in lengths), "files": files, "positions": positions,
-    }
-    return packing, producer.stats()["accounting"]
-
-
-def _too_long(writer: _SampleWriter, seq_len: int) -> list:
-    """The samples packing skips (each longer than a row), marked in the table, as rejections."""
-    from datasvc.rejects import Rejection
-
-    out = []
-    for r in writer.rows.values():
-        if r["status"] == "ok" and r["tokens"] > seq_len:
-            r.update(status="skipped", reason="longer_than_seq_len")
-            out.append(Rejection(r["shard"], r["key"], r["reason"], f"{r['tokens']} tokens > seq_len {seq_len}"))
-    return out
-
-
-def _process_in_shard_order(cfg, writer: _SampleWriter) -> dict:
-    """Every sample of the shards in shard order, in work items as the actors get them; the accounting."""
-    from datasvc.process import WorkItem
-    from datasvc.rejects import Accounting
-    from datasvc.shards import index_shard
-
-    acct = Accounting(max_log=0)
-    for path in cfg.shards:
-        samples = index_shard(path).samples
-        for first in range(0, len(samples), cfg.samples_per_item):
-            acct.merge(writer(WorkItem(path, first, tuple(samples[first:first + cfg.samples_per_item]))).accounting)
-    acct.delivered = sum(1 for r in writer.rows.values() if r["status"] == "ok")
-    return acct.as_dict()
-
-
-def _balanced(a: dict) -> bool:
-    return a["read"] == a["delivered"] + sum(a["quarantined"].values()) + sum(a["skipped_by_rule"].values())
-
-
-def inspect_shards(shards: list[str], out_dir: str, pipeline_name: str = "qwen3vl", decode: str = "cpu",
-                   seq_len: int | None = None, micro_batch_size: int = 1, pipeline_options: dict | None = None,
-                   write_samples: bool = True, dp_size: int = 1, rank: int = 0, seed: int = 0) -> dict:
-    from datasvc.process import ItemProcessor
-
+    config = InspectConfig(**options)
     paths = expand_shards(shards)
-    if not 0 <= rank < dp_size:
-        raise ValueError(f"--rank {rank} must be in [0, --dp-size {dp_size})")
-    cfg = _data_config(paths, pipeline_name, pipeline_options or {}, decode, seq_len, micro_batch_size, dp_size, seed)
-    os.makedirs(out_dir, exist_ok=True)
-    writer = _SampleWriter(ItemProcessor(cfg), out_dir, write_samples)
-    if seq_len:
-        packing, acct = _pack_with_producer(cfg, rank, writer, out_dir)
-        rejections = writer.rejections + _too_long(writer, cfg.seq_len)
+    config = replace(config, device=config.device or default_device())
+    cfg, _sizing = service_config(paths, config)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: {exc.strerror or exc}") from None
+    files = OutputFiles(out_dir)
+    recorder = RecoveringRecorder(ItemProcessor(cfg), keep=not config.pack and config.write_samples)
+    progress = Progress(config.progress)
+    if config.pack:
+        outcome = write_stream(cfg, config, recorder, files, progress)
     else:
-        packing, acct = None, _process_in_shard_order(cfg, writer)
-        rejections = writer.rejections
-    order = {p: i for i, p in enumerate(paths)}
-    rows = sorted(writer.rows.values(), key=lambda r: (order.get(r["shard"], len(order)), r.get("index", 0), r["key"]))
-    _write_quarantine(os.path.join(out_dir, "quarantine.jsonl"), rejections)
-    spec = writer.spec
+        outcome = _samples_in_shard_order(cfg, config, recorder, files, progress)
+    write_quarantine(files.path(files.added("quarantine.jsonl")), outcome["rejections"])
+    spec = recorder.spec
     summary = {
-        "shards": paths, "pipeline": pipeline_name, "pipeline_options": pipeline_options or {}, "decode": decode,
+        "shards": paths, "pipeline": config.pipeline, "pipeline_options": dict(cfg.pipeline_options),
+        "decode": config.decode, "geometry": _geometry(cfg, config, spec),
         "vision": {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels},
-        "accounting": acct, "balanced": _balanced(acct), "samples": rows, "packing": packing,
+        "limit": config.limit, "stopped_at_limit": outcome["stopped"], "accounting": outcome["accounting"],
+        "balanced": _balanced(outcome["accounting"]), "samples": outcome["rows"], "packing": outcome.get("packing"),
+        "preview": outcome.get("preview", ""),
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    files.json("summary.json", summary)
+    summary["written"] = {"dir": out_dir, "files": list(files.names), "bytes": files.total_bytes(),
+                          "description": files.describe()}
     return summary
 
 
-def _write_quarantine(path: str, rejections: list) -> None:
-    with open(path, "w") as f:
-        for r in rejections:
-            is_rule = r.reason in RULE_REASONS or r.reason.startswith(RULE_PREFIX)
-            f.write(json.dumps({"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail,
-                                "kind": "skipped_by_rule" if is_rule else "quarantined"}) + "\n")
+def _geometry(cfg, config: InspectConfig, spec) -> dict:
+    packed = {"seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size, "items_per_block": cfg.items_per_block,
+              "chain_blocks": cfg.chain_blocks} if config.pack else {}
+    return {"device": config.device, "built_by": "datasvc.training.training_config", "packed": config.pack, **packed,
+            "max_pixels": spec.max_pixels, "min_pixels": spec.min_pixels, "samples_per_item": cfg.samples_per_item,
+            "dp_size": cfg.dp_size, "rank": config.rank, "seed": cfg.seed, "epochs": cfg.epochs}
+
+
+def _balanced(a: dict) -> bool:
+    return a["read"] == (a["delivered"] + sum(a["quarantined"].values()) + sum(a["skipped_by_rule"].values())
+                         + a.get("in_flight", 0))
+
+
+def _samples_in_shard_order(cfg, config: InspectConfig, recorder: SampleRecorder, files: OutputFiles,
+                            progress: Progress) -> dict:
+    """Samples of the shards in shard order, in work items as the actors get them, until the limit."""
+    from datasvc.read.shards import index_shard
+    from datasvc.rejects import Accounting
+    from datasvc.wire import WorkItem
+
+    acct, names, stopped = Accounting(max_log=0), set(), False
+    if config.write_samples:
+        os.makedirs(files.path("samples"), exist_ok=True)
+    for path in cfg.shards:
+        samples = index_shard(path).samples
+        for first in range(0, len(samples), cfg.samples_per_item):
+            stopped = bool(config.limit) and acct.delivered >= config.limit
+            if stopped:
+                break
+            result = recorder(WorkItem(path, first, tuple(samples[first:first + cfg.samples_per_item])))
+            acct.merge(result.accounting)
+            acct.delivered += len(result.samples)
+            for sample in recorder.take_kept():
+                _write_sample(sample, recorder, files, names)
+            progress.update(f"{acct.read} samples read")
+        if stopped:
+            break
+    order = {p: i for i, p in enumerate(cfg.shards)}
+    rows = sorted(recorder.rows.values(), key=lambda r: (order.get(r["shard"], len(order)), r["index"], r["key"]))
+    return {"rows": rows, "accounting": acct.as_dict(), "rejections": recorder.rejections, "stopped": stopped}
+
+
+def _write_sample(sample, recorder: SampleRecorder, files: OutputFiles, names: set[str]) -> None:
+    name = sanitize(sample.key)
+    if name in names:  # same key in two shards
+        name = sanitize(f"{os.path.splitext(os.path.basename(sample.shard))[0]}/{sample.key}")
+    names.add(name)
+    fname = f"samples/{name}.npz"
+    inspect_arrays.save(files.path(fname), inspect_arrays.sample_arrays(sample, recorder.spec))
+    recorder.rows[(sample.shard, sample.key)]["file"] = files.added(fname)
 
 
 def print_summary(summary: dict, max_rows: int = 500, out=sys.stdout) -> None:
-    rows = summary["samples"]
-    w = max([10] + [len(r["key"]) for r in rows[:max_rows]])
-    w = min(w, 48)
-    print(f"{'key':{w}} {'images (WxH)':22} {'grid (t,h,w)':22} {'text':>6} {'vision':>7}  reason", file=out)
-    for r in rows[:max_rows]:
-        sizes = ",".join(r["image_sizes"]) or "-"
-        grids = ",".join("x".join(str(v) for v in g) for g in r["grids"]) or "-"
-        text = "-" if r["text_tokens"] is None else str(r["text_tokens"])
-        vision = "-" if r["vision_tokens"] is None else str(r["vision_tokens"])
-        reason = r["reason"] + (f" ({r['detail'][:60]})" if r["detail"] else "")
-        print(f"{r['key'][:w]:{w}} {sizes[:22]:22} {grids[:22]:22} {text:>6} {vision:>7}  {reason}", file=out)
-    if len(rows) > max_rows:
-        print(f"... {len(rows) - max_rows} more rows in summary.json", file=out)
+    g = summary["geometry"]
+    print(f"geometry ({g['built_by']}, device {g['device']}): " + (
+        f"seq_len {g['seq_len']}, MBS {g['micro_batch_size']}, blocks of {g['items_per_block']} items in chains "
+        f"of {g['chain_blocks']}, " if g["packed"] else "not packed, ")
+        + f"pixel cap {g['max_pixels']} (min {g['min_pixels']}), rank {g['rank']} of {g['dp_size']}, seed {g['seed']}",
+        file=out)
+    print_table(summary["samples"], max_rows, out)
     a = summary["accounting"]
     print(f"\nread {a['read']}, delivered {a['delivered']}, quarantined {sum(a['quarantined'].values())} "
           f"{dict(a['quarantined'])}, skipped by rule {sum(a['skipped_by_rule'].values())} "
           f"{dict(a['skipped_by_rule'])}" + (f", ignored members {dict(a['ignored_members'])}"
-                                             if a["ignored_members"] else ""), file=out)
+                                             if a["ignored_members"] else "")
+          + (f", in flight {a['in_flight']} (read, not handed out before the limit)" if a.get("in_flight") else ""),
+          file=out)
+    if summary["stopped_at_limit"]:
+        print(f"stopped at --limit {summary['limit']} samples; --all for every sample", file=out)
     p = summary.get("packing")
     if p:
         print(f"rank {p['rank']} of {p['dp_size']} receives {p['micro_batches']} micro-batches ({p['rows']} rows of "
               f"{p['seq_len']}, MBS {p['micro_batch_size']}; blocks of {p['items_per_block']} items in chains of "
               f"{p['chain_blocks']}): packing efficiency {p['packing_efficiency']:.3f} real tokens/row token; "
               f"padding every sample to seq_len would give {p['padding_efficiency']:.3f} "
-              f"({p['rows_if_padded']} rows); {p['samples_too_long']} samples longer than seq_len skipped", file=out)
+              f"({p['rows_if_padded']} rows); {p['samples_too_long']} samples longer than seq_len skipped; "
+              f"vision tokens {p['image_tokens']} image + {p['video_tokens']} video", file=out)
+    if summary.get("preview"):
+        print(f"\ndecoded text, first samples ([[...]]: not trained):\n{summary['preview']}", file=out)
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vlmfeed inspect", description="Write what a trainer rank receives for these shards.")
+    from datasvc.usage import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog="vlmfeed inspect", formatter_class=HelpFormatter,
+                                 description="Write what a trainer rank receives for these shards: packed "
+                                             "micro-batches, contact sheets, decoded text, a summary.")
     ap.add_argument("shards", nargs="+", help="shard paths, globs or brace patterns")
-    ap.add_argument("--pipeline", default="qwen3vl")
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--decode", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--seq-len", type=int, default=None, help="also pack into rows of this many tokens, as a feeder does")
+    ap.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                    help="stop after the micro-batch that brings the rank's samples to this many (0: all)")
+    ap.add_argument("--all", action="store_true", help="every sample of the epoch (--limit 0)")
+    add_data_flags(ap, "--device", "--seq-len", "--max-pixels", "--min-pixels", "--decode")
+    ap.add_argument("--no-pack", action="store_true", help="samples alone in shard order, no micro-batches")
     ap.add_argument("--mbs", type=int, default=1, help="micro-batch size (rows per packed micro-batch)")
     ap.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks the shards are split over")
     ap.add_argument("--rank", type=int, default=0, help="the data-parallel rank whose micro-batches to write")
     ap.add_argument("--seed", type=int, default=0, help="the data seed (the order of work items and of samples)")
-    ap.add_argument("--max-pixels", type=int, default=None)
-    ap.add_argument("--min-pixels", type=int, default=None)
+    add_data_flags(ap, "--pipeline")
     ap.add_argument("--tokenizer", default=None, help="HF model id or local path (default: bundled Qwen3)")
     ap.add_argument("--max-rows", type=int, default=500, help="rows of the table to print")
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
+    """``main`` without the error handling: mistakes raise ``UserError``."""
+    from datasvc.stream.producer import DataServiceError
+
     args = _parser().parse_args(argv)
-    options = {k: v for k, v in (("max_pixels", args.max_pixels), ("min_pixels", args.min_pixels),
-                                 ("tokenizer", args.tokenizer)) if v is not None}
     try:
-        summary = inspect_shards(args.shards, args.out, args.pipeline, args.decode, args.seq_len, args.mbs, options,
-                                 dp_size=args.dp_size, rank=args.rank, seed=args.seed)
-    except (NoShardsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        summary = inspect_shards(
+            args.shards, args.out, pipeline=args.pipeline, device=args.device, decode=args.decode,
+            pack=not args.no_pack, seq_len=args.seq_len, micro_batch_size=args.mbs, dp_size=args.dp_size,
+            rank=args.rank, seed=args.seed, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
+            pipeline_options={"tokenizer": args.tokenizer} if args.tokenizer else {},
+            limit=None if args.all or args.limit == 0 else args.limit, progress=True)
+    except (NoShardsError, DataServiceError, ValueError) as exc:  # a pattern, a rank or an option that cannot be
+        raise UserError(str(exc)) from None
     print_summary(summary, args.max_rows)
-    print(f"\nwrote {args.out}/: {sum(1 for r in summary['samples'] if r['file'])} sample .npz, "
-          f"{len((summary['packing'] or {}).get('files', []))} packed .npz, summary.json, quarantine.jsonl")
+    w = summary["written"]
+    print(f"\nwrote {w['dir']}/ ({_size(w['bytes'])} on disk): {w['description']}")
     return 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except UserError as exc:
+        print(f"vlmfeed inspect: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

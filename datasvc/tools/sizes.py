@@ -1,40 +1,44 @@
 """``vlmfeed sizes``: each shard's per-sample sizes written ahead of a vision-balanced job
-(``datasvc.sizes``), so that its feeders plan from the index and no shard's headers are read
+(``datasvc.pack.sizes``), so that its feeders plan from the index and no shard's headers are read
 more than once. Give the settings the job will use: an entry made with other pixel limits or
 rules is not used (the feeders plan those shards from headers)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from datasvc.read.filters import add_filter_flags, filters_from_flags
+from datasvc.training import add_data_flags, geometry_from_flags
+from datasvc.usage import HelpFormatter
+
 
 def _index_some(cfg, directory: str, paths: list[str]) -> dict:
-    from datasvc.listings import index_shards
-    from datasvc.sizes import build_index
+    from datasvc.pack.sizes import build_index
+    from datasvc.read.listings import index_shards
 
     return build_index(cfg, directory, index_shards(paths, directory))
 
 
 def main(argv: list[str] | None = None) -> int:
     from datasvc.config import ServiceConfig
-    from datasvc.shards import expand_shards
+    from datasvc.read.shards import expand_shards
 
-    ap = argparse.ArgumentParser(prog="vlmfeed sizes", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="vlmfeed sizes", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("shards", nargs="+", help="shard paths, globs or brace patterns")
     ap.add_argument("--out", required=True, help="the index directory (the job's --sizes-index)")
-    ap.add_argument("--pipeline", default="qwen3vl")
-    ap.add_argument("--max-pixels", type=int, default=None)
-    ap.add_argument("--min-pixels", type=int, default=None)
-    ap.add_argument("--filter", action="append", default=[], help="a rule the job applies (repeat)")
+    add_data_flags(ap, "--pipeline")
+    add_data_flags(ap, "--device", "--max-pixels", "--min-pixels")  # the job's, so its feeders find these sizes
+    add_filter_flags(ap)  # the job's rules, so its feeders find these sizes
     ap.add_argument("--processes", type=int, default=1, help="shards indexed in parallel")
     args = ap.parse_args(argv)
-    options = {k: v for k, v in (("max_pixels", args.max_pixels), ("min_pixels", args.min_pixels)) if v}
     try:
+        options = geometry_from_flags(args, args.pipeline)["pipeline_options"]
         cfg = ServiceConfig(shards=tuple(args.shards), pipeline=args.pipeline, pipeline_options=options,
-                            filters=tuple(args.filter))
+                            filters=filters_from_flags(args))
     except ValueError as exc:
         print(f"vlmfeed sizes: {exc}", file=sys.stderr)
         return 2
@@ -47,4 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {done}/{len(paths)} shards indexed ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     print(json.dumps({"shards": len(paths), "built": built, "already_there": kept, "directory": args.out,
                       "seconds": round(time.perf_counter() - t0, 1)}))
+    print(f"wrote {os.path.abspath(args.out)}/: the sizes of {built} shard(s) ({kept} already there); give it to "
+          f"trainer.run as --sizes-index {args.out}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    from datasvc.tools.cli import main as vlmfeed
+
+    sys.exit(vlmfeed(["sizes", *sys.argv[1:]]))

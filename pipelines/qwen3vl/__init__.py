@@ -25,7 +25,7 @@ def flops_model(preset: str, custom_json: str | None = None):
 
 
 def cost_model(preset: str | None = None, calibration: str | None = None, **overrides):
-    """Predicted seconds of a packed micro-batch (``datasvc.balance.CostModel``) for a preset at a
+    """Predicted seconds of a packed micro-batch (``datasvc.pack.balance.CostModel``) for a preset at a
     fitted calibration; see ``pipelines.qwen3vl.cost``."""
     from pipelines.qwen3vl.cost import cost_model as build
 

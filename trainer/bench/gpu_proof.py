@@ -1,4 +1,4 @@
-"""GPU proofs for the Megatron-Bridge backend (run on the H200 device machine).
+"""GPU proofs for the Megatron-Bridge backend (run on a GPU box).
 
     python -m trainer.bench.gpu_proof packed            # packed row == samples alone, per-sample losses
     python -m trainer.bench.gpu_proof packed --video    # the same with video samples in the row
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from datasvc.batch import IGNORE_INDEX
+from datasvc.usage import HelpFormatter
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
 
@@ -209,7 +210,7 @@ def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 
 
     # Packed: one row, THD segments, MRoPE restarted per sample.
     p = pack_thd(batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["num_samples"])
-    pos = mrope_position_ids(p, batch["image_grid_thw"], provider.spatial_merge_size, videos)
+    pos = mrope_position_ids(p, provider, batch["image_grid_thw"], videos)
     out = model(input_ids=p.tokens, position_ids=pos, attention_mask=None, labels=p.labels,
                 loss_mask=p.loss_mask, packed_seq_params=p.params, **vision)
     packed = per_sample_losses(out, p.loss_mask, p.sample_spans)
@@ -284,7 +285,7 @@ def train_synthetic(strategy: str, steps: int, mbs: int, seq_len: int, num_layer
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("proof", choices=["packed", "train"])
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--num-experts", type=int, default=128)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from datasvc.usage import HelpFormatter
 from trainer.bench.peers_data import STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
 from trainer.bench.peers_measure import Clock, ProcessTreeMeter, ratio
 
@@ -39,13 +40,14 @@ BASELINE = "vlmfeed-cpu"
 def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: int = 1, consumers: int = 1):
     """The data service as ``trainer.run`` configures it, at the peers' pixel limits."""
     from datasvc.config import ServiceConfig
-    from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
+    from datasvc.pack.plan import size_blocks
+    from datasvc.training import CHAIN_BLOCKS
 
     cfg = ServiceConfig(shards=setting.shards, pipeline=setting.pipeline,
                         pipeline_options={"min_pixels": setting.min_pixels, "max_pixels": setting.max_pixels},
                         seq_len=setting.seq_len, micro_batch_size=setting.mbs, dp_size=dp_size, pack=True,
                         consumers_per_replica=consumers, epochs=None, blocks_span_epochs=True,
-                        chain_blocks=TRAINING_CHAIN_BLOCKS, seed=0, decode=decode, decode_threads=1,
+                        chain_blocks=CHAIN_BLOCKS, seed=0, decode=decode, decode_threads=1,
                         min_actors=actors, max_actors=actors, items_per_block=1)
     return size_blocks(cfg, target_micro_batches=8)[0]
 
@@ -54,7 +56,7 @@ class VlmfeedPath:
     """The data service's client for one rank (the service started here unless one is given)."""
 
     def __init__(self, setting: PeerSetting, *, decode: str, actors: int, device: str | None = None):
-        from datasvc.client import DataService
+        from datasvc.service.client import DataService
 
         self.name = f"vlmfeed-{decode}"
         self.service = DataService(vlmfeed_config(setting, decode=decode, actors=actors),
@@ -115,7 +117,7 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
     t0 = time.perf_counter()
     ray_tmp = None
     if name != "megatron-bridge":
-        from datasvc.cluster import connect
+        from datasvc.service.cluster import connect
 
         ray_tmp = tempfile.mkdtemp(prefix="peers-ray-", dir="/tmp")
         connect(num_cpus=max(cores, workers + 1), temp_dir=ray_tmp)
@@ -298,7 +300,7 @@ def _work_dir(args) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vlmfeed bench peers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="vlmfeed bench peers", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, text in (("data", "the data paths alone on this host's CPU"),):
         p = sub.add_parser(name, help=text)

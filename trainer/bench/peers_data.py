@@ -62,11 +62,11 @@ class PeerSetting:
 # ------------------------------------------------------------------------------------------------
 def shard_samples(shards) -> list[dict]:
     """Every good sample of the shards as {key, images: [(ext, bytes)], messages}, in shard order;
-    ``messages`` is what vlmfeed trains on (``datasvc.formats.sample_messages``: a caption or a
+    ``messages`` is what vlmfeed trains on (``datasvc.read.formats.sample_messages``: a caption or a
     conversation, images placed), so every peer trains on the same conversations."""
-    from datasvc.formats import sample_messages
-    from datasvc.text import SampleRejected
-    from datasvc.shards import ReadLimits, index_shard, read_samples
+    from datasvc.read.formats import sample_messages
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
+    from datasvc.rejects import SampleRejected
 
     out = []
     for path in shards:
@@ -137,7 +137,7 @@ def save_hf_processor(setting: PeerSetting, out_dir: str) -> str:
 def build_hf_processor(setting: PeerSetting):
     from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    from datasvc.text import bundled_qwen3_tokenizer_dir
+    from pipelines.qwen3vl.data import bundled_qwen3_tokenizer_dir
 
     v = setting.vision()
     image = Qwen2VLImageProcessor(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,

@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 
+from datasvc.usage import HelpFormatter
 from trainer.bench.peers import PATHS
 
 COLOURS = {"megatron-bridge": "tab:gray", "ray-data": "tab:purple", "vlmfeed-cpu": "tab:blue", "vlmfeed-gpu": "tab:green"}
@@ -70,7 +71,7 @@ def plot(train: dict[int, dict], data: dict | None, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.bench.peers_plot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m trainer.bench.peers_plot", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("train_json", nargs="+")
     ap.add_argument("--data", default=None, help="what `peers data` wrote")
     ap.add_argument("--out", required=True)

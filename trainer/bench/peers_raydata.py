@@ -32,8 +32,8 @@ class HFQwen3VLEncoder:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict) -> dict:
-        from datasvc.formats import sample_messages
-        from datasvc.shards import RawSample
+        from datasvc.read.formats import sample_messages
+        from datasvc.read.shards import RawSample
 
         out = {"input_ids": [], "labels": [], "loss_mask": [], "pixel_values": [], "image_grid_thw": [],
                "key": [], "worker_pid": []}

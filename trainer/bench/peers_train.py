@@ -99,7 +99,7 @@ def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str,
 
         inner = RayDataPath(setting, source, pad_id=_pad_id(setting))
     else:
-        from datasvc.client import DataClient
+        from datasvc.service.client import DataClient
 
         data_cfg, run = source
         inner = DataClient(data_cfg, layout.dp_rank, layout.consumer, run=run, device="cuda:0")
@@ -146,7 +146,7 @@ def train_one(args, setting, work_dir: str) -> dict:
         layouts = [RankLayout(r, world, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp) for r in range(world)]
         sources = _sources(args, setting, job, layouts)
         if args.path.startswith("vlmfeed"):
-            from datasvc.client import DataService
+            from datasvc.service.client import DataService
 
             service = DataService(job.data_cfg, run=job.run)
         refs = [a.run.remote(peer_rank, args.path, cfg, setting, work_dir, lay, job.metrics_path, src)

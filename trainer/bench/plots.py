@@ -15,6 +15,7 @@ import os
 import re
 import statistics
 
+from datasvc.usage import HelpFormatter
 from trainer.summary import steady_window
 
 # Older results name a metric as it was once written; each maps to the name it has now.
@@ -384,7 +385,7 @@ def plot_decode(decode: dict, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.bench.plots")
+    ap = argparse.ArgumentParser(prog="python -m trainer.bench.plots", formatter_class=HelpFormatter)
     ap.add_argument("bench_json", nargs="*", help="training bench JSONs (none with --decode: the decode paths alone)")
     ap.add_argument("--source", default="real-large", help="real source of the MBS sweep")
     ap.add_argument("--decode", default=None, help="gpu_decode.json from trainer.bench --gpu-decode-only")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from datasvc.usage import HelpFormatter
+
 QUESTION = "Does a stopped and resumed run train the same samples and losses as a straight run, and what does a checkpoint cost?"
 
 
@@ -36,7 +38,7 @@ def size_bytes(path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    p = argparse.ArgumentParser(prog="python -m trainer.bench.resume", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m trainer.bench.resume", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("pipeline", nargs="?", default="qwen3vl")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", required=True, help="directory for the runs, their checkpoints and resume.json")

@@ -16,13 +16,14 @@ import sys
 import tempfile
 import time
 
+from datasvc.usage import HelpFormatter
 from trainer.bench.cases import DEFAULT_GROUPS, GROUPS, PROXY
 
 
 def prepare_sources(root: str, wanted: set[str]) -> dict[str, list[str]]:
     """Shards for the wanted sources; synthetic and mock are written once per root and reused."""
+    from datasvc.read.shards import index_shard
     from datasvc.samples import default_shards, large_shards
-    from datasvc.shards import index_shard
     from datasvc.tools.synth import PROFILES, calibrate, write_shards
 
     out = {}
@@ -98,7 +99,7 @@ def run_case(name: str, shards: list[str], extra: list[str], address: str, out: 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--groups", nargs="+", default=DEFAULT_GROUPS, choices=list(GROUPS))
     ap.add_argument("--only", nargs="+", default=None, metavar="CASE",
                     help="run only these cases of the chosen groups (names as printed, e.g. 3d-real-mbs2)")
@@ -169,12 +170,12 @@ def _run_cases(cases: list[tuple], sources: dict[str, list[str]], args: argparse
 
 
 def _start_head(address: str) -> tuple[subprocess.Popen, str]:
-    """A head like the embedded cluster (``datasvc.cluster.connect``): node address 127.0.0.1 kept by
+    """A head like the embedded cluster (``datasvc.service.cluster.connect``): node address 127.0.0.1 kept by
     Ray's single-machine mode, so its services listen on loopback; a token of its own in the
     environment of the head and of every case (``local_auth_env``), so whatever ~/.ray/auth_token
     holds is neither used nor needed; a temp dir of its own. It runs in its own session, and
     ``_stop_head`` stops exactly it (``ray stop`` would stop every Ray cluster of this host)."""
-    from datasvc.cluster import local_auth_env
+    from datasvc.service.cluster import local_auth_env
 
     os.environ.update(local_auth_env(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # inherited by the cases
     temp = tempfile.mkdtemp(prefix="vlmfeed-bench-ray-", dir="/tmp")

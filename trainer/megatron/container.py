@@ -1,16 +1,14 @@
 """TrainerConfig -> Megatron-Bridge ``ConfigContainer``: the Qwen3-VL MoE provider with every model-side
-knob set, the optimizer, DDP/FSDP and the external data provider; and the runtime checks the config
-alone cannot make."""
+knob set, the optimizer, DDP/FSDP, fed by vlmfeed through ``trainer.megatron.provider`` (the same
+plug-in a recipe of the user's takes); and the runtime checks the config alone cannot make."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import threading
-from dataclasses import dataclass
 
 import torch
 from megatron.bridge import AutoBridge
-from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -25,9 +23,10 @@ from megatron.bridge.training.config import (
 )
 from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
-from pipelines.qwen3vl.megatron import hf_config
+from datasvc.registry import pipeline_part
 from trainer.config import TrainerConfig
 from trainer.megatron.metrics import TimedIterator
+from trainer.megatron.provider import VlmfeedDataProvider, feed_from_stream, without_missing_kernels
 from trainer.vision_chunks import chunk_vision_hook
 
 
@@ -38,7 +37,7 @@ def build_bridge(cfg: TrainerConfig) -> AutoBridge:
     """The Hugging Face <-> Megatron bridge: from ``--hf-path`` when given, else from the preset's config."""
     if cfg.model.hf_path:
         return AutoBridge.from_hf_pretrained(cfg.model.hf_path)
-    return AutoBridge.from_hf_config(hf_config(cfg.model.arch()))
+    return AutoBridge.from_hf_config(pipeline_part(cfg.model.pipeline, "megatron").hf_config(cfg.model.arch()))
 
 
 def build_provider(cfg: TrainerConfig, bridge: AutoBridge | None = None):
@@ -56,10 +55,7 @@ def build_provider(cfg: TrainerConfig, bridge: AutoBridge | None = None):
     # Packed rows hold different numbers of supervised tokens; averaging per token over the whole
     # global batch weighs every token equally (and CP requires it for Qwen3-VL anyway).
     provider.calculate_per_token_loss = True
-    # Megatron's non-TE linear layers (the output layer) implement gradient-accumulation fusion only
-    # through APEX's fused_weight_gradient_mlp_cuda and refuse to build without it; the provider turns
-    # the fusion on by default, so keep it only where that extension exists.
-    provider.gradient_accumulation_fusion = bool(provider.gradient_accumulation_fusion) and _has_apex_wgrad_fusion()
+    without_missing_kernels(provider)
     _set_moe(provider, cfg)
     _set_recompute(provider, cfg)
     _set_cuda_graphs(provider, cfg)
@@ -124,46 +120,6 @@ def _set_cuda_graphs(provider, cfg: TrainerConfig) -> None:
         provider.cuda_graph_impl = "none"
 
 
-def _has_apex_wgrad_fusion() -> bool:
-    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-
-
-# ------------------------------------------------------------------------------------------------
-# Data: our iterator through dataloader_type="external"
-# ------------------------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class ExternalDataProvider(DatasetProvider):
-    """``dataloader_type="external"``: Megatron-Bridge passes our iterator through untouched (wrapped
-    only in its RerunDataIterator). No validation or test split; the data service owns sharding
-    (one stream per DP rank, identical across the TP/PP/CP ranks of a replica)."""
-
-    dataloader_type: str = "external"
-    num_workers: int = 0
-    persistent_workers: bool = False
-    pin_memory: bool = False
-    data_sharding: bool = False
-    seq_length: int = 4096  # read by a few Bridge helpers that look at cfg.dataset.seq_length
-    skip_getting_attention_mask_from_dataset: bool = True  # stock qwen3_vl_step reads it
-
-    # Where Bridge reads the loader states from on resume; None: beside the checkpoint it loads.
-    dataloader_load: str | None = None
-
-    # The iterators are runtime objects, kept off the dataclass fields so the config stays printable.
-    def attach(self, iterator: TimedIterator | None, valid=None) -> "ExternalDataProvider":
-        object.__setattr__(self, "_iterator", iterator)
-        object.__setattr__(self, "_valid", valid)
-        return self
-
-    @property
-    def iterator(self) -> TimedIterator | None:
-        return getattr(self, "_iterator", None)
-
-    def build_datasets(self, context: DatasetBuildContext):
-        if self.iterator is None:
-            raise RuntimeError("ExternalDataProvider has no iterator attached (call .attach(iterator))")
-        return self.iterator, getattr(self, "_valid", None), None
-
-
 # ------------------------------------------------------------------------------------------------
 # The container
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +131,7 @@ def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedI
     t, ck, ev = cfg.train, cfg.checkpoint, cfg.eval
     fsdp = cfg.parallel.strategy == "fsdp"
     evaluate = valid_iterator is not None and ev.eval_interval is not None
-    return ConfigContainer(
+    container = ConfigContainer(
         model=build_provider(cfg, bridge),
         train=TrainingConfig(
             train_iters=t.train_iters, global_batch_size=t.gbs, micro_batch_size=t.mbs,
@@ -197,7 +153,7 @@ def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedI
             weight_decay_incr_style="constant", override_opt_param_scheduler=True,
         ),
         ddp=_ddp_config(fsdp),
-        dataset=ExternalDataProvider(seq_length=t.seq_len).attach(iterator, valid_iterator if evaluate else None),
+        dataset=VlmfeedDataProvider(seq_length=t.seq_len),
         logger=LoggerConfig(log_interval=t.log_interval, log_throughput=True),
         # Our tokens arrive already tokenized; the null tokenizer only carries the vocabulary size.
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=cfg.model.arch().vocab_size),
@@ -209,6 +165,8 @@ def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedI
         dist=DistributedInitConfig(use_megatron_fsdp=fsdp),
         mixed_precision="bf16_mixed" if t.bf16 else None,
     )
+    feed_from_stream(container, iterator, valid_iterator if evaluate else None, padded=t.padded)
+    return container
 
 
 def _ddp_config(fsdp: bool) -> DistributedDataParallelConfig:

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from megatron.bridge.models.qwen_vl import qwen3_vl_step
 from megatron.bridge.training.callbacks import Callback
 from megatron.bridge.training.config import ConfigContainer
-from megatron.bridge.training.state import GlobalState
 
 from trainer.checkpoint import prune
 from trainer.config import TrainerConfig
 from trainer.megatron.container import build_bridge, build_config_container, check_runtime
-from trainer.megatron.metrics import ForwardClock, MetricsSink, StepMetrics, TimedForwardStep, TimedIterator
-from trainer.megatron.step import PackedForwardStep, to_stock_batch
+from trainer.megatron.metrics import MetricsSink, TimedIterator
+from trainer.megatron.overrides import TRAINER_RUN_KEEPS, BridgeOverrides, apply_overrides
+from trainer.megatron.provider import VlmfeedFeed, pretrain
+from trainer.megatron.step import to_stock_batch
 
 log = logging.getLogger("vlmfeed.megatron")
 
@@ -35,9 +35,11 @@ class MegatronRank:
 
 
 def train(cfg: TrainerConfig, data_iterator: Iterator[dict], me: MegatronRank | None = None,
-          *, world_size: int | None = None, valid_iterator: Iterator[dict] | None = None) -> list[dict]:
+          *, world_size: int | None = None, valid_iterator: Iterator[dict] | None = None,
+          overrides: BridgeOverrides | None = None) -> list[dict]:
     """Train with Megatron-Bridge on this rank. Call on every rank, with RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT set (Bridge initialises torch.distributed unless it already is).
+    ``overrides``: Bridge-style ``key=value`` items (and YAML), applied to the container last.
     Returns this rank's per-step records; the last rank also writes them to ``me.metrics_sink``."""
     me = me or MegatronRank()
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -54,20 +56,19 @@ def train(cfg: TrainerConfig, data_iterator: Iterator[dict], me: MegatronRank | 
         container.dataset.dataloader_load = os.path.join(me.out, "no-loader-state")
     # A Ray actor sees exactly its own GPU; Bridge would otherwise pick cuda:LOCAL_RANK.
     container.dist.external_gpu_device_mapping = torch.cuda.device_count() == 1
+    apply_overrides(container, overrides or BridgeOverrides(), keeps=TRAINER_RUN_KEEPS)
     init_loopback_distributed(container)
-    clock = ForwardClock()
-    forward_step = TimedForwardStep(qwen3_vl_step.forward_step if cfg.train.padded else PackedForwardStep(), clock)
-    metrics = StepMetrics(iterator, me.metrics_sink, clock, samples_path=me.samples_path)
-    callbacks = [metrics, StopOnRequest(me.control)]
+    feed = VlmfeedFeed(container, padded=cfg.train.padded)
+    callbacks = [*feed.callbacks(me.metrics_sink, samples_path=me.samples_path), StopOnRequest(me.control)]
     if cfg.checkpoint.export_hf:
         callbacks.append(ExportAtEnd(bridge, cfg.checkpoint.export_hf))
     if cfg.checkpoint.save and cfg.checkpoint.keep_last:
         callbacks.append(KeepLast(cfg.checkpoint.save, cfg.checkpoint.keep_last))
     log.info("Megatron-Bridge backend: %s, strategy %s, %s rows", cfg.model.preset, cfg.parallel.strategy,
              "padded (stock qwen3_vl_step)" if cfg.train.padded else "packed (THD)")
-    stopped = run_bridge(container, forward_step, callbacks)
-    metrics.finish(stopped)
-    return metrics.records
+    stopped = run_bridge(container, feed.forward_step(), callbacks)
+    feed.metrics.finish(stopped)
+    return feed.records
 
 
 class StopOnRequest(Callback):
@@ -137,52 +138,10 @@ def run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callbac
     """Megatron-Bridge's pretrain loop; returns why it stopped early (a signal, --exit-interval,
     --exit-duration-in-mins: Bridge saves, then exits the process with status 0), or None."""
     try:
-        _run_bridge(container, forward_step, callbacks)
+        pretrain(container, forward_step, callbacks)
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
         stop = next((c.reason for c in callbacks if isinstance(c, StopOnRequest)), "")
         return stop or ("exit_interval" if container.train.exit_interval else "exit_duration_in_mins")
     return None
-
-
-def _run_bridge(container: ConfigContainer, forward_step, callbacks: list[Callback]) -> None:
-    """``megatron.bridge.training.pretrain`` imports nvidia-resiliency-ext at module level, whose
-    registry release (0.4.1) predates what megatron-core 0.19 needs (>= 0.6, and 0.4.1 breaks its
-    import); where it is missing we run the same steps pretrain runs without in-process restart:
-    setup, train, finish."""
-    skip_dataset_helper_compile()
-    try:
-        from megatron.bridge.training.pretrain import pretrain
-    except ImportError:
-        pretrain = None
-    if pretrain is not None:
-        pretrain(container, forward_step, callbacks=callbacks)
-        return
-
-    from megatron.bridge.data.utils import get_dataset_provider
-    from megatron.bridge.training.callbacks import normalize_callbacks
-    from megatron.bridge.training.config import runtime_config_update
-    from megatron.bridge.training.setup import setup
-    from megatron.bridge.training.train import _finish_train, train as bridge_train
-
-    runtime_config_update(container)
-    state = GlobalState()
-    state.cfg = container
-    manager = normalize_callbacks(callbacks)
-    out = setup(state, get_dataset_provider(container.dataset), callback_manager=manager)
-    if out.state.train_state.do_train:
-        bridge_train(forward_step, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
-                     out.valid_data_iterator, out.state, out.checkpoint_manager, out.pg_collection,
-                     callback_manager=manager)
-    _finish_train(out.state, out.checkpoint_manager)
-
-
-def skip_dataset_helper_compile() -> None:
-    """Megatron-Bridge's initialisation runs ``make`` in megatron/core/datasets to build the C++ index
-    helpers of Megatron's own datasets, and exits the process when that fails. The megatron-core wheel
-    ships those helpers prebuilt but without the Makefile, so ``make`` always fails there; our data
-    arrives through ``dataloader_type="external"`` and never uses them, so skip the compile."""
-    import megatron.bridge.training.initialize as bridge_init
-
-    bridge_init.compile_helpers = lambda: log.info("dataset index helpers not compiled: external data iterator")

@@ -152,7 +152,7 @@ class StepMetrics(Callback):
         self._state = context.state
         samples = self.iterator.samples
         spread = self._rank_spread()
-        # This rank's own step inputs, what the cost model is fitted on (datasvc.balance).
+        # This rank's own step inputs, what the cost model is fitted on (datasvc.pack.balance).
         it, elapsed = self.iterator, time.perf_counter() - self._t0
         own = {"vision_patches": it.vision_patches, "vision_patches_sq": it.vision_patches_sq,
                "sample_tokens_sq": it.sample_tokens_sq, "compute_s": elapsed - it.wait_s}

@@ -52,8 +52,7 @@ class PackedForwardStep:
         has_images = grid is not None and grid.numel() > 0
         videos = batch.get("video_grid_thw")
         has_videos = videos is not None and videos.numel() > 0
-        position_ids = mrope_position_ids(packed, grid if has_images else None, config.spatial_merge_size,
-                                          videos if has_videos else None)
+        position_ids = mrope_position_ids(packed, config, grid if has_images else None, videos if has_videos else None)
 
         # Megatron-Bridge FLOP accounting: Σ s_i² over real segments for attention, vision patches for the ViT.
         patches = (grid.prod(dim=-1).sum() if has_images else 0) + (videos.prod(dim=-1).sum() if has_videos else 0)

@@ -14,10 +14,10 @@ from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_inde
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from datasvc.batch import IGNORE_INDEX
-from pipelines.qwen3vl import TOKENS, VIDEO_PAD
-from pipelines.qwen3vl.data import MERGE_SIZE
 
-PAD_ID = TOKENS.pad
+PAD_ID = 0
+"""The id in padded slots and unsupervised labels: any id of every vocabulary serves, as a padded slot
+lies outside every THD segment and no loss is taken there."""
 
 
 def real_tokens_per_row(cu_seqlens: torch.Tensor, num_samples: torch.Tensor) -> torch.Tensor:
@@ -146,15 +146,18 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def mrope_position_ids(packed: PackedTHD, image_grid_thw: torch.Tensor | None,
-                       spatial_merge_size: int = MERGE_SIZE, video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+def mrope_position_ids(packed: PackedTHD, model_config, image_grid_thw: torch.Tensor | None,
+                       video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """MRoPE positions [3, 1, T] restarted at every segment, via Megatron-Bridge's own Qwen3-VL rope
     index (``get_rope_index`` walks the THD segments and consumes ``image_grid_thw`` and
-    ``video_grid_thw`` in order; it splits a video's grid per temporal group, as its timestamps do)."""
+    ``video_grid_thw`` in order; it splits a video's grid per temporal group, as its timestamps do).
+    The image, video and vision-start ids and the merge size are the model's own (``model_config``:
+    its Bridge provider), so each model family finds its images by its own vocabulary."""
     grid = image_grid_thw if image_grid_thw is not None and image_grid_thw.numel() else None
     videos = video_grid_thw if video_grid_thw is not None and video_grid_thw.numel() else None
+    c = model_config
     position_ids, _ = get_rope_index(
-        spatial_merge_size, TOKENS.image_pad, VIDEO_PAD, TOKENS.vision_start, packed.tokens,
+        c.spatial_merge_size, c.image_token_id, c.video_token_id, c.vision_start_token_id, packed.tokens,
         image_grid_thw=grid, video_grid_thw=None if videos is None else videos.clone(),
         packed_seq_params=packed.params,
     )

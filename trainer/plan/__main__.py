@@ -11,20 +11,21 @@ import argparse
 import json
 import sys
 
+from datasvc.usage import HelpFormatter, UserError
 from trainer.plan.memory import Workload
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The planner's options, and every option of ``trainer.run`` (a job's command line plans as it
+    is); an unknown option is an error, so that a typo never changes the plan."""
     from trainer.config import add_cli_args
+    from trainer.job import add_job_args
 
     p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("pipeline", help="model pipeline in pipelines/ (e.g. qwen3vl)")
     g = p.add_argument_group("machine and data")
     g.add_argument("--gpus", type=int, default=None, help="GPUs of the job (default: --world-size, else 1)")
-    g.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--gpu-memory-gib", type=float, default=141.0,
-                   help="memory of one GPU (H100 80, H200 141, GB200 186)")
     d = Workload()
     g.add_argument("--image-share", type=float, default=d.image_share,
                    help="image tokens / real tokens at the fullest micro-batch (0 for text-only or mock data)")
@@ -33,11 +34,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="data actors with a CUDA context on each GPU")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="the plan as JSON")
-    g.add_argument("--fit", choices=["off", "auto"], default="off",
-                   help="auto: plan the largest configuration that fits instead of the one given")
     g.add_argument("--table", action="store_true", help="a markdown table of common cases on 1/8/64 GPUs")
     add_cli_args(p)
-    return p.parse_known_args(argv)
+    add_job_args(p)  # with trainer.run's --fit, which here plans what is given unless asked to fit
+    p.set_defaults(fit="off", gpu_memory_gib=141.0)  # an H200 unless told; H100 80, GB200 186
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,13 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.plan.planner import plan_job
     from trainer.plan.report import common_cases, format_plan, format_table
 
-    args, ignored = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     from datasvc.registry import available
 
     if args.pipeline not in available():
         raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
-    if ignored:
-        print(f"(ignored, not about memory: {' '.join(ignored)})", file=sys.stderr)
     work = Workload(image_share=args.image_share, fill=args.fill, data_processes_on_gpu=args.data_actors_on_gpu)
     if args.table:
         print(format_table(common_cases(), workload=work))
@@ -90,4 +89,7 @@ def argv_flags(argv: list[str] | None) -> set[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as exc:
+        sys.exit(f"python -m trainer.plan: {exc}")

@@ -37,10 +37,10 @@ def _plan(cfg, plan):
 
 def vision_flops_share(cfg, work: Workload) -> float:
     """The vision tower's share of a micro-batch's training FLOPs (the profiler's FLOP model)."""
-    from pipelines.qwen3vl.flops import from_arch
+    from datasvc.registry import pipeline_part
 
     a, t = cfg.model.arch(), cfg.train
-    spec = from_arch(cfg.model.preset, a)
+    spec = pipeline_part(cfg.model.pipeline, "flops").from_arch(cfg.model.preset, a)
     samples = max(1, round(t.seq_len * work.fill / work.sample_tokens))
     patches = work.sample_tokens * work.image_share * a.spatial_merge_size**2
     text = spec.text_flops(t.seq_len, [work.sample_tokens] * samples)
@@ -63,7 +63,7 @@ def _strategy(plan, work) -> list:
         if three_d.fits:
             out.append(Advice("consider --strategy 3d once the model is stable and there is time for sweeps",
                               f"it fits too ({three_d.need_gib:.0f} GiB); on one H200 3d ran 1.25-1.31x the "
-                              f"tokens/s of fsdp (docs/benchmarks.md); worth it only for that headroom"))
+                              f"tokens/s of fsdp (docs/benchmarks/mbs-sweep-and-large-micro-batches.md); worth it only for that headroom"))
         return out
     problems = []
     if a.num_layers % (p.pp * (p.vpp or 1)):
@@ -161,13 +161,13 @@ def _runtime(plan, work) -> list:
                if cfg.recompute.granularity == "full" else "")
         out.append(Advice("once the loop is stable: --cuda-graph-scope moe_router moe_preprocess",
                           why + "packed THD rows cannot graph attention, the router and dispatch preprocessing can; "
-                          "measured no gain at MBS 1 on one H200 (docs/benchmarks.md)"))
+                          "measured no gain at MBS 1 on one H200 (docs/benchmarks/do-cuda-graphs-pay.md)"))
     elif not cfg.cuda_graph.scope:
         out.append(Advice("no CUDA graphs under fsdp", "Megatron-FSDP's parameter hooks cannot be captured in "
                           "Transformer Engine's per-layer graphs; graphs need --strategy 3d"))
     out.append(Advice("measure with real or calibrated synthetic images, not the image-free mock",
                       "the mock skips the vision tower and the image tokens: measured 2.1-2.5x optimistic on the "
-                      "4-layer proxy and 1.4-1.6x at full depth (docs/benchmarks.md)"))
+                      "4-layer proxy and 1.4-1.6x at full depth (docs/benchmarks/4-layer-proxy-and-depth-proxy.md)"))
     return out
 
 

@@ -3,13 +3,21 @@ from __future__ import annotations
 
 import math
 
-from pipelines.qwen3vl.arch import PROXIES, SIZE_ORDER
+from datasvc.registry import pipeline_part
 from trainer.config import ConfigError
 from trainer.plan.advice import variant
 from trainer.plan.memory import Workload
 from trainer.plan.planner import Plan, describe, plan_job
 
-MODEL_LADDER = SIZE_ORDER  # largest first: full models, the depth-faithful proxy, the 4-layer proxy
+
+
+def model_ladder(pipeline: str) -> tuple[str, ...]:
+    """The pipeline's presets, largest first: full models, the depth-faithful proxy, the 4-layer proxy."""
+    return tuple(pipeline_part(pipeline, "arch").SIZE_ORDER)
+
+
+def _proxies(pipeline: str) -> dict:
+    return pipeline_part(pipeline, "arch").PROXIES
 CHUNK_PATCHES = 32768  # measured free at MBS 4 on the H200, where 16k chunks cost 19%
 LARGEST_GPUS = 4096
 # fit auto keeps this share of each GPU free: the calibration is within ~2% on one H200 and the
@@ -64,9 +72,10 @@ def _models_from(cfg) -> list:
     """The requested model, then every smaller rung of the ladder."""
     preset = cfg.model.preset
     overridden = any(getattr(cfg.model, n) is not None for n in ("num_layers", "num_experts", "vision_depth"))
-    start = MODEL_LADDER.index(preset) if preset in MODEL_LADDER else len(MODEL_LADDER)
-    models = [cfg] if overridden or preset not in MODEL_LADDER else []
-    return models + [with_model(cfg, p) for p in MODEL_LADDER[start:]]
+    ladder = model_ladder(cfg.model.pipeline)
+    start = ladder.index(preset) if preset in ladder else len(ladder)
+    models = [cfg] if overridden or preset not in ladder else []
+    return models + [with_model(cfg, p) for p in ladder[start:]]
 
 
 def fit_auto(cfg, gpus: int, gpu_memory_gib: float, workload: Workload | None = None) -> tuple[object, Plan, str]:
@@ -105,14 +114,15 @@ def _reason(first: Plan, chosen: Plan, added: str) -> str:
     if first.cfg.model.preset == name:
         return (f"{what}{knobs} fits {chosen.gpus} x {chosen.gpu_memory_gib:g} GiB: "
                 f"{chosen.need_gib:.0f} GiB per GPU, {chosen.margin_gib:.0f} GiB margin")
-    proxy = " (a proxy: " + _proxy_words(name) + ")" if name in PROXIES else ""
+    pipeline = chosen.cfg.model.pipeline
+    proxy = " (a proxy: " + _proxy_words(name, pipeline) + ")" if name in _proxies(pipeline) else ""
     return (f"{first.cfg.model.preset} needs at least {first.need_gib:.0f} GiB per GPU of {first.usable_gib:.0f} "
             f"usable ({describe(first.cfg, first.gpus)}); the largest that fits is {what}{proxy}{knobs}: "
             f"{chosen.need_gib:.0f} GiB per GPU")
 
 
-def _proxy_words(name: str) -> str:
-    base, changes = PROXIES[name]
+def _proxy_words(name: str, pipeline: str) -> str:
+    base, changes = _proxies(pipeline)[name]
     return f"{base} with " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in changes.items())
 
 
@@ -138,9 +148,10 @@ def _moves(cfg, gpus: int):
     while n <= LARGEST_GPUS:
         yield 6 + int(math.log2(n // gpus)), f"{n} GPUs", cfg, n
         n *= 2
-    if cfg.model.preset in MODEL_LADDER:
-        here = MODEL_LADDER.index(cfg.model.preset)
-        for i, preset in enumerate(MODEL_LADDER[here + 1:], start=here + 1):
+    ladder = model_ladder(cfg.model.pipeline)
+    if cfg.model.preset in ladder:
+        here = ladder.index(cfg.model.preset)
+        for i, preset in enumerate(ladder[here + 1:], start=here + 1):
             yield 12 + i, f"--model-preset {preset}", with_model(cfg, preset), gpus  # after up to 64x the GPUs
 
 

@@ -19,13 +19,12 @@ The peak is the largest of four moments (the loss, a decoder layer's backward, t
 backward, the optimizer step). On top of it: allocator slack (a freed block of the logits' size
 that a later request cannot reuse unless segments are expandable) and memory outside PyTorch's
 allocator (CUDA context, cuBLAS/cuDNN workspaces, NCCL, the data actors' contexts).
-Constants marked "fitted" come from the H200 runs in docs/results (tests/test_plan.py holds them).
+Constants marked "fitted" come from the H200 runs in tests/data/recorded (tests/test_plan.py holds them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from pipelines.qwen3vl.arch import Qwen3VLArch
+from typing import Protocol
 
 GIB = 2**30
 BF16, FP32 = 2, 4
@@ -38,6 +37,30 @@ OUTSIDE_ALLOCATOR_GIB = 4.0  # CUDA context, cuBLAS/cuDNN/TE workspaces (3.97 Gi
 PER_EXTRA_PROCESS_GIB = 0.52  # each data actor that opened a CUDA context on the GPU
 EXPANDABLE_SLACK = 0.02  # share of activations lost to fragmentation with expandable segments
 USABLE_SHARE = 0.9915  # what CUDA lets a process allocate of the nominal memory (139.8 of 141 GiB)
+
+
+class Arch(Protocol):
+    """What the planner reads of a model's architecture (each pipeline's ``arch`` presets): the vision
+    tower's numbers, and the decoder's layer parameters and kept activations from the model itself,
+    since they differ by layer kind (softmax attention, linear attention, MoE, dense)."""
+
+    hidden_size: int
+    num_layers: int
+    num_experts: int
+    moe_topk: int
+    vocab_size: int
+    vision_depth: int
+    vision_hidden_size: int
+    vision_ffn_hidden_size: int
+    vision_out_hidden_size: int
+    deepstack_visual_indexes: tuple[int, ...]
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+
+    def decoder_layer_params(self) -> tuple[float, float]: ...
+
+    def decoder_kept_bytes_per_token(self, granularity: str, modules: list[str]) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +115,7 @@ class StageParams:
     layer: float  # one decoder layer (what Megatron-FSDP gathers at a time)
 
 
-def _vision_params(a: Qwen3VLArch) -> tuple[int, int]:
+def _vision_params(a: Arch) -> tuple[int, int]:
     """(tower blocks and patch embedding, mergers) of the vision tower."""
     hv, merge_in = a.vision_hidden_size, a.vision_hidden_size * a.spatial_merge_size**2
     patch_in = 3 * a.temporal_patch_size * a.patch_size**2
@@ -101,17 +124,16 @@ def _vision_params(a: Qwen3VLArch) -> tuple[int, int]:
     return blocks, mergers
 
 
-def total_params(a: Qwen3VLArch) -> int:
+def total_params(a: Arch) -> int:
     lay = Layout(gpus=1, tp=1, pp=1, cp=1, ep=1, etp=1, vpp=1, dp=1, expert_dp=1, micro_batches=1)
     s = _stage_params(a, lay, None, True, True)
     return int(s.dense + s.experts)
 
 
-def _stage_params(a: Qwen3VLArch, lay: Layout, m, first: bool, last: bool) -> StageParams:
+def _stage_params(a: Arch, lay: Layout, m, first: bool, last: bool) -> StageParams:
     layers = a.num_layers // lay.pp
-    attn = 2 * a.hidden_size * a.num_attention_heads * a.head_dim + 2 * a.hidden_size * a.num_kv_heads * a.head_dim
-    layer_dense = (attn + a.hidden_size * a.num_experts) / lay.tp
-    layer_experts = a.num_experts * 3 * a.hidden_size * a.moe_ffn_hidden_size / (lay.ep * lay.etp)
+    dense, routed = a.decoder_layer_params()
+    layer_dense, layer_experts = dense / lay.tp, routed / (lay.ep * lay.etp)
     ends = a.vocab_size * a.hidden_size * (int(first) + int(last)) / lay.tp
     blocks, mergers = (p / lay.tp if first else 0.0 for p in _vision_params(a))
     language, experts = layers * layer_dense + ends, layers * layer_experts
@@ -147,36 +169,12 @@ def model_states(cfg, lay: Layout, first: bool, last: bool) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # Activations
 # ------------------------------------------------------------------------------------------------
-def decoder_bytes_per_token_layer(a: Qwen3VLArch, granularity: str, modules: list[str]) -> dict[str, float]:
-    """Bytes one decoder layer keeps for backward per token (before TP/CP), by module."""
-    h, hq, hkv = a.hidden_size, a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    k, f = a.moe_topk, a.moe_ffn_hidden_size
-    if granularity == "full":
-        return {"input": BF16 * h}
-    keep = {
-        "layernorm": BF16 * 2 * h,  # the normalized inputs of attention and the MLP
-        "attention": BF16 * (2 * h + hq + 2 * hkv + hq),  # norm inputs, q/k/v after RoPE, output
-        "router": FP32 * 2 * a.num_experts,
-        "moe": BF16 * k * (h + 2 * f + h),  # permuted tokens, FC1 output, expert output
-        "moe_act": BF16 * k * f,  # SwiGLU output (FC2 input)
-    }
-    if granularity == "selective":
-        if "layernorm" in modules:
-            keep["layernorm"] = 0.0
-        if "moe_act" in modules or "moe" in modules:
-            keep["moe_act"] = 0.0
-        if "moe" in modules:
-            keep["moe"] = 0.0
-        # core_attn: with flash attention the kept q/k/v/output are the recompute's inputs and
-        # outputs anyway, so it saves almost nothing.
-    return keep
-
-
-# fitted: the bytes above over-count what Transformer Engine keeps (shared buffers, views).
+# fitted: the bytes each architecture counts (``decoder_kept_bytes_per_token``) over-count what
+# Transformer Engine keeps (shared buffers, views).
 DECODER_KEPT_SHARE = 0.86
 
 
-def vision_bytes_per_patch(a: Qwen3VLArch, full_recompute: bool) -> float:
+def vision_bytes_per_patch(a: Arch, full_recompute: bool) -> float:
     """Bytes the vision tower keeps for backward per patch: its blocks (only each block's input under
     full recompute) plus the patch embedding, the mergers and the features handed to the decoder."""
     hv, fv = a.vision_hidden_size, a.vision_ffn_hidden_size
@@ -188,7 +186,7 @@ def vision_bytes_per_patch(a: Qwen3VLArch, full_recompute: bool) -> float:
     return a.vision_depth * block + BF16 * (patch_in + 2 * hv) + mergers
 
 
-def vision_block_bytes_per_patch(a: Qwen3VLArch) -> float:
+def vision_block_bytes_per_patch(a: Arch) -> float:
     return BF16 * (10 * a.vision_hidden_size + 2 * a.vision_ffn_hidden_size)
 
 
@@ -215,11 +213,11 @@ def moments(cfg, lay: Layout, work: Workload, first: bool, last: bool) -> Moment
     tokens = t.mbs * t.seq_len / lay.cp  # one micro-batch on one CP rank
     seq_tokens = tokens / lay.tp  # sequence parallel splits the decoder's activations over TP
     layers = a.num_layers // lay.pp
-    whole_layer = sum(decoder_bytes_per_token_layer(a, "none", []).values()) * DECODER_KEPT_SHARE
+    whole_layer = sum(a.decoder_kept_bytes_per_token("none", []).values()) * DECODER_KEPT_SHARE
     if full:
         kept_per_layer = BF16 * a.hidden_size / max(1, rc.num_layers)
     else:
-        kept_per_layer = sum(decoder_bytes_per_token_layer(a, rc.granularity, rc.modules).values()) * DECODER_KEPT_SHARE
+        kept_per_layer = sum(a.decoder_kept_bytes_per_token(rc.granularity, rc.modules).values()) * DECODER_KEPT_SHARE
     one_mb = seq_tokens * (layers * kept_per_layer + (BF16 * a.hidden_size if first else 0.0))
     decoder = lay.in_flight * one_mb / GIB
     patches = t.mbs * t.seq_len * work.fill * work.image_share * a.spatial_merge_size**2 if first else 0.0

@@ -1,5 +1,5 @@
 import sys
 
-from datasvc.tools.bench.cli import main
+from datasvc.tools.cli import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))

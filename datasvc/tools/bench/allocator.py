@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from datasvc.tools.bench.provenance import stamp
+from datasvc.usage import HelpFormatter
 
 CASES = {"0.3-4 MP": (0.3, 4.0, 20), "8-16 MP": (8.0, 16.0, 6)}  # (min MP, max MP, photos)
 
@@ -27,7 +28,7 @@ def measure(min_mp: float, max_mp: float, images: int, max_pixels: int, passes: 
     import time
 
     from datasvc.config import ServiceConfig
-    from datasvc.decode import CpuDecoder
+    from datasvc.media.decode import CpuDecoder
     from datasvc.registry import get_layout
     from datasvc.tools.bench.decode import _ours, _torchvision_decode
     from datasvc.tools.bench.photos import photo_set
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**measure(float(lo), float(hi), int(n), int(cap)),
                           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}))
         return 0
-    ap = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.allocator", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.allocator", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--images", type=int, default=None, help="photos per case (default: 20 and 6)")
     ap.add_argument("--max-pixels", type=int, default=16777216)

@@ -1,5 +1,5 @@
 """Vision-balanced global batches, simulated: predicted step time and straggler ratio (max / mean
-rank cost) with and without ``datasvc.balance`` at DP 8, 64 and 512 with Megatron-Bridge recipe
+rank cost) with and without ``datasvc.pack.balance`` at DP 8, 64 and 512 with Megatron-Bridge recipe
 batch sizes, on the bundled photos, calibrated synthetic shards and a LAION-like mix.
 
     python -m datasvc.tools.bench.balance --out /tmp/balance          # table, balance.json, balance.png
@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from datasvc import balance
-from datasvc.packing import plan_micro_batches, plan_rows
+from datasvc.pack import balance
+from datasvc.pack.packing import plan_micro_batches, plan_rows
+from datasvc.usage import HelpFormatter
 
 # Megatron-Bridge performance recipes (scripts/performance/configs/qwen_vl/
 # qwen3_vl_workload_base_configs.py): 30B-A3B GBS 512 on 8 GPUs (EP 8, MBS 1 on H100/B200),
@@ -41,8 +42,8 @@ SETTINGS = (
 # ---- samples --------------------------------------------------------------------------------------
 def sample_pool(shards: list[str], pipeline, seq_len: int) -> list[tuple[int, tuple[int, ...]]]:
     """(tokens, patches per image) of every usable sample, from headers; rejects are left out."""
-    from datasvc.process import encode_from_headers
-    from datasvc.shards import ReadLimits, index_shard, read_samples
+    from datasvc.pack.headers import encode_from_headers
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
 
     pool = []
     for path in shards:
@@ -263,7 +264,7 @@ def photo_stats(pipeline_name: str, max_pixels: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="vlmfeed bench balance", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vlmfeed bench balance", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="balance-bench")
     p.add_argument("--work-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "vlmfeed", "balance"))
     p.add_argument("--pipeline", default="qwen3vl")
@@ -276,7 +277,7 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", choices=("packed", "padded"), default=["packed", "padded"],
                    help="packed rows (this service) and/or one padded sample per row (the stock loaders)")
     p.add_argument("--fit", action="store_true", help="refit the calibrations from --results-dir")
-    p.add_argument("--results-dir", default="docs/results")
+    p.add_argument("--results-dir", default="tests/data/recorded", help="where the recorded H200 steps are")
     p.add_argument("--check", nargs="+", metavar="METRICS_JSONL", default=None,
                    help="predict these recorded steps from their own inputs with --calibration and report the error")
     args = p.parse_args(argv)

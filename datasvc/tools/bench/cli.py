@@ -1,4 +1,4 @@
-"""Benchmarks: ``vlmfeed bench decode|service|soak|sizing|peers`` (``python -m datasvc.tools.bench``).
+"""Benchmarks, each answering one question: ``vlmfeed bench NAME`` (``python -m datasvc.tools.bench NAME``).
 
     vlmfeed bench decode  [--images N] [--max-pixels P] [--synth N] [--out results.json]
     vlmfeed bench service [--max-actors N] [--samples N] [--out results.json]
@@ -38,9 +38,23 @@ def _as_the_actors_allocate(wanted: bool) -> None:
         os.execve(sys.executable, sys.orig_argv, env)
 
 
+# Benches with options of their own: given the rest of the command line as it is, by module name.
+# ``peers`` feeds the trainer from the stock loaders too, so it lives with the trainer and is
+# loaded only when chosen, as ``vlmfeed plan`` is.
+OWN_OPTIONS = {
+    "balance": ("datasvc.tools.bench.balance", "DP balance of the dealt micro-batches, simulated at DP 8-512"),
+    "planning": ("datasvc.tools.bench.planning", "what planning a balanced step costs a feeder"),
+    "isolation": ("datasvc.tools.bench.isolation", "what the integrity checks of a sample's isolation cost"),
+    "allocator": ("datasvc.tools.bench.allocator", "the preprocessing actors' allocator settings against glibc's"),
+    "peers": ("trainer.bench.peers", "vlmfeed beside Megatron-Bridge's own loader and Ray Data, same shards"),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vlmfeed bench", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="vlmfeed bench", description=__doc__.split("\n\n")[0],
+                                 epilog="vlmfeed bench NAME --help shows a bench's options.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="NAME")
     d = sub.add_parser("decode", help="per-core decode / preprocess throughput, and packing efficiency")
     d.add_argument("--images", type=int, default=40, help="real-photo JPEGs to build (0.3-4 MP)")
     d.add_argument("--synth", type=int, default=0, help="also this many synthetic web-photos JPEGs")
@@ -88,24 +102,17 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--gop-seconds", type=float, default=2.0, help="seconds between keyframes")
     v.add_argument("--repeats", type=int, default=3, help="passes per contender and clip (best is kept)")
     v.add_argument("--out", default="bench-video.json")
+    for name, (_, text) in OWN_OPTIONS.items():
+        sub.add_parser(name, help=text, add_help=False)
     return ap
-
-
-# ``peers`` feeds the trainer from the stock loaders too, so it lives with the trainer
-# (trainer.bench.peers): loaded by name only when chosen, as ``vlmfeed plan`` is, given the rest as it is.
-PEERS_MODULE = "trainer.bench.peers"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["peers"]:
+    if argv[:1] and argv[0] in OWN_OPTIONS:
         import importlib
 
-        return int(importlib.import_module(PEERS_MODULE).main(argv[1:]) or 0)
-    if argv[:1] in (["allocator"], ["balance"], ["isolation"], ["planning"]):  # benches with options of their own
-        import importlib
-
-        return int(importlib.import_module(f"datasvc.tools.bench.{argv[0]}").main(argv[1:]) or 0)
+        return int(importlib.import_module(OWN_OPTIONS[argv[0]][0]).main(argv[1:]) or 0)
     ap = _parser()
     args = ap.parse_args(argv)
     command = "vlmfeed bench " + " ".join(argv)
@@ -158,4 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from datasvc.tools.cli import main as vlmfeed
+
+    sys.exit(vlmfeed(["bench", *sys.argv[1:]]))

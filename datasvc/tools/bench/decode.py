@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -79,7 +80,7 @@ def _opencv_decode(photos):
 
 def _decode_and_resize(spec):
     """torchvision's libjpeg-turbo decode, then ``jpegscale.fit_uint8`` to the smart-resize target."""
-    from datasvc.jpegscale import fit_uint8
+    from datasvc.media.jpegscale import fit_uint8
 
     def run(photos):
         for p in photos:
@@ -99,7 +100,7 @@ class _DaliDecode:
     in DALI's output buffer (the decoder resizes from there)."""
 
     def __init__(self, batch: int = 16):
-        from datasvc.decode import CpuDecoder
+        from datasvc.media.decode import CpuDecoder
 
         self.decoder = CpuDecoder(num_threads=1, max_batch=batch)
         self.batch = batch
@@ -133,7 +134,7 @@ def _hf_run(proc):
 def _ours(spec, decoder, chunk: int, finish=None):
     """Our path on ``chunk`` images at a time; ``finish(rows, grid)`` runs on each image's rows
     (a ``vision.FrameRows`` where the decoder left the resize to the rank)."""
-    from datasvc.process import preprocess_images
+    from datasvc.stream.process import preprocess_images
 
     def run(photos):
         for i in range(0, len(photos), chunk):
@@ -151,8 +152,8 @@ def _rank_resize(spec, decoder, photos: list[Photo]):
     decoded here, ahead of any timing."""
     import torch
 
-    from datasvc.process import preprocess_images
-    from datasvc.vision import FrameRows, finish_resize
+    from datasvc.media.vision import FrameRows, finish_resize
+    from datasvc.stream.process import preprocess_images
 
     frames: dict[int, tuple | None] = {}
     for p in photos:
@@ -168,13 +169,13 @@ def _rank_resize(spec, decoder, photos: list[Photo]):
 
 
 def _copy_rows(rows, grid):
-    from datasvc.vision import FrameRows
+    from datasvc.media.vision import FrameRows
 
     return rows.rows if isinstance(rows, FrameRows) else rows.copy()
 
 
 def _patch_order(rows: np.ndarray, grid, spec) -> np.ndarray:
-    from datasvc.vision import patchify
+    from datasvc.media.vision import patchify
 
     _, gh, gw = grid
     return patchify(rows.reshape(gh * spec.patch_size, gw * spec.patch_size, 3), spec)
@@ -184,9 +185,9 @@ def profile_ours(photos: list[Photo], spec, decoder) -> dict:
     """Seconds per stage of our CPU path, summed over the photos (one pass, after a warm-up): the
     actors' probe, decode and resize (as the decoder's own stage timer splits them), then
     ``to_pixel_values`` (patch order and normalize)."""
-    from datasvc.decode import DecodeJob, probe
+    from datasvc.media.decode import DecodeJob, probe
+    from datasvc.media.vision import to_pixel_values
     from datasvc.stats import StageTimes
-    from datasvc.vision import to_pixel_values
 
     secs = dict(probe=0.0, decode=0.0, resize=0.0, to_pixel_values=0.0)
     chunk = 16
@@ -231,8 +232,8 @@ def _contenders(spec, decoder, skip_hf_pil: bool, photos: list[Photo]) -> dict[s
     path, and the explicit libjpeg-turbo reduced-scale option, each also resizing in the actor),
     (c-) the actors' work when they also put the rows in patch order, as a baseline, (r) the rank's
     resize of what the default leaves it, on one CPU thread. ``decoder``: the default path's."""
-    from datasvc.decode import CpuDecoder
-    from datasvc.vision import to_pixel_values
+    from datasvc.media.decode import CpuDecoder
+    from datasvc.media.vision import to_pixel_values
 
     runs: dict[str, tuple[str, object]] = {
         "torchvision_decode_jpeg": ("a", _torchvision_decode),
@@ -292,16 +293,21 @@ def _photo_summary(photos: list[Photo], images: int, spec, build_s: float) -> di
             "resize": _resize_stats(photos, spec), "build_seconds": round(build_s, 2)}
 
 
+def _progress(what: str) -> None:
+    print(f"bench decode: {what} ...", file=sys.stderr, flush=True)
+
+
 def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int = 65536, synth: int = 0,
                  repeats: int = 5, pack_synth: int = 200, skip_hf_pil: bool = False, seed: int = 0,
                  mp_range: tuple[float, float] = (0.3, 4.0), pack_copies: int = 2,
                  pipeline: str = "qwen3vl") -> dict:
     from datasvc.config import ServiceConfig
-    from datasvc.decode import CpuDecoder
+    from datasvc.media.decode import CpuDecoder
     from datasvc.registry import get_layout
 
     spec = get_layout(pipeline, min_pixels=min_pixels, max_pixels=max_pixels).vision
     t0 = time.perf_counter()
+    _progress(f"building {images + synth} photos")
     photos = photo_set(images, seed=seed, min_mp=mp_range[0], max_mp=mp_range[1]) + \
         synth_photos(synth, min_mp=mp_range[0], max_mp=mp_range[1])
     build_s = time.perf_counter() - t0
@@ -309,6 +315,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
     with one_thread():
         decoder = CpuDecoder(num_threads=1, rank_resize=ServiceConfig.resize_on == "rank")
         runs = _contenders(spec, decoder, skip_hf_pil, photos)
+        _progress(f"timing {len(runs)} contenders, {repeats} passes each, on {len(photos)} photos")
         # The slow HF PIL processor gets one pass; the rest the best of ``repeats``.
         passes = time_interleaved({name: fn for name, (_, fn) in runs.items()}, photos, repeats,
                                   once=("hf_qwen2vl_pil",))
@@ -318,6 +325,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
                           "mp_per_s": round(mp_total / best[name], 2),
                           "seconds_median": round(float(np.median(passes[name])), 4)}
                    for name, (group, _) in runs.items()}
+        _progress("profiling the actors' stages and pairing CPU times")
         prof = profile_ours(photos, spec, CpuDecoder(num_threads=1))
         in_actor = runs["ours_uint8_pixel_rows_resized_in_actor"][1]
         actors = paired_cpu_ratio(in_actor, runs["baseline_uint8_patch_order"][1], photos)
@@ -340,7 +348,10 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
     # says how far one run's best-of figure can be trusted on the host.
     goals["vs_fastest_decode_by_round"] = by_round(passes, fastest_a, GOAL_PATH)
     goals["vs_fastest_hf_by_round"] = by_round(passes, fastest_b, GOAL_PATH)
-    packing = packing_bench(pack_synth, max_pixels, photo_copies=pack_copies) if pack_synth >= 0 else {}
+    packing = {}
+    if pack_synth >= 0:
+        _progress("packing")
+        packing = packing_bench(pack_synth, max_pixels, photo_copies=pack_copies)
     return {
         "kind": "decode",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),

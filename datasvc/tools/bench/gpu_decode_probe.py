@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+from datasvc.usage import HelpFormatter
+
 # (name, pipeline options, copy the output back to the host)
 CASES = [("sync_decode", dict(pipelined=False, resize=False), False),
          ("pipelined_decode", dict(pipelined=True, resize=False), False),
@@ -23,7 +25,7 @@ CASES = [("sync_decode", dict(pipelined=False, resize=False), False),
 
 def _inputs(n: int, batch: int, pipeline: str) -> tuple[list, list]:
     """(encoded JPEGs, batches of (encoded, target size)) of ``n`` 1-2 MP photos."""
-    from datasvc.decode import probe
+    from datasvc.media.decode import probe
     from datasvc.registry import get_layout
     from datasvc.tools.bench.photos import photo_set
 
@@ -92,7 +94,7 @@ def _torchvision_nvjpeg(blobs: list, batch: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.gpu_decode_probe", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.gpu_decode_probe", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--images", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--pipeline", default="qwen3vl", help="whose vision spec sets the resize targets")

@@ -19,12 +19,14 @@ import os
 import tarfile
 import tempfile
 
+from datasvc.usage import HelpFormatter
+
 
 @contextlib.contextmanager
 def switched_off(what: str):
     """``checks``: whole-file check, opener formats, JSON check; ``orientation``: EXIF ignored."""
-    import datasvc.imagefile as imagefile
-    import datasvc.shards as shards
+    import datasvc.media.imagefile as imagefile
+    import datasvc.read.shards as shards
 
     saved = imagefile.check_whole, imagefile.read_orientation, imagefile.FORMATS, shards.parse_json
     if what == "checks":
@@ -65,11 +67,12 @@ def write_shard(path: str, images: int) -> None:
 
 
 def bench_isolation(images: int = 48, rounds: int = 9, max_pixels: int = 1 << 20, work_dir: str | None = None) -> dict:
-    from datasvc.decode import CpuDecoder
-    from datasvc.process import WorkItem, process_item
+    from datasvc.media.decode import CpuDecoder
+    from datasvc.read.shards import index_shard
     from datasvc.registry import get_pipeline
-    from datasvc.shards import index_shard
+    from datasvc.stream.process import process_item
     from datasvc.tools.bench.timing import one_thread, paired_cpu_ratio
+    from datasvc.wire import WorkItem
 
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         path = os.path.join(tmp, "photos.tar")
@@ -112,8 +115,8 @@ def _probe_cost(path: str, idx, items) -> dict:
     """Best-of-20 process CPU time of the header probe over the shard's images, with and without."""
     import time
 
-    from datasvc.imagefile import probe
-    from datasvc.shards import ReadLimits, read_samples
+    from datasvc.media.imagefile import probe
+    from datasvc.read.shards import ReadLimits, read_samples
 
     blobs = [data for raw in read_samples(path, idx.samples, ReadLimits()) for _, data in raw.images]
 
@@ -133,7 +136,7 @@ def _probe_cost(path: str, idx, items) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--max-pixels", type=int, default=1 << 20)

@@ -10,11 +10,10 @@ def encoded_from_headers(shards: list[str], pipeline) -> tuple[list, dict]:
     """EncodedSamples with exact token rows, grids from the headers (no pixels: packing needs
     only lengths and patch counts, so patches are zero-width arrays of the right row count)."""
     from datasvc.batch import EncodedSample
-    from datasvc.process import encode_from_headers
-    from datasvc.rejects import Accounting
-    from datasvc.shards import ReadLimits, index_shard, read_samples
-    from datasvc.text import SampleRejected
-    from datasvc.vision import ImageRejected
+    from datasvc.media.vision import ImageRejected
+    from datasvc.pack.headers import encode_from_headers
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
+    from datasvc.rejects import Accounting, SampleRejected
 
     acct = Accounting()
     out = []
@@ -33,7 +32,7 @@ def encoded_from_headers(shards: list[str], pipeline) -> tuple[list, dict]:
 
 
 def packing_report(samples: list, seq_lens=(4096, 8192), micro_batch_size: int = 1, pad_id: int = 0) -> dict:
-    from datasvc.packing import PackingConfig, pack, padding_efficiency
+    from datasvc.pack.packing import PackingConfig, pack, padding_efficiency
 
     report = {}
     lengths = np.array([s.num_tokens for s in samples])

@@ -77,7 +77,7 @@ def photo_set(n: int, seed: int = 0, min_mp: float = 0.3, max_mp: float = 4.0, q
 def synth_photos(n: int, profile: str = "web-photos", seed: int = 1, min_mp: float = 0.3,
                  max_mp: float = 4.0) -> list[Photo]:
     """JPEG images of synthetic ``profile`` shards within [min_mp, max_mp] (cached on disk)."""
-    from datasvc.shards import ReadLimits, index_shard, read_samples
+    from datasvc.read.shards import ReadLimits, index_shard, read_samples
     from datasvc.tools.synth import write_shards
 
     if n <= 0:

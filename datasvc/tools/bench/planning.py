@@ -1,5 +1,5 @@
 """What does a vision-balanced feeder spend planning each step at DP N, from image headers and
-from the shared sizes index (``datasvc.sizes``), and what does it spend starting?
+from the shared sizes index (``datasvc.pack.sizes``), and what does it spend starting?
 
 Every feeder of a ``balance_dp`` job plans the micro-batches of all N ranks. From headers that
 means reading (and tokenizing) every rank's samples in every feeder; from a warm index, only
@@ -7,7 +7,7 @@ packing them. This times the plan and the deal alone (no pixel decoded) for the 
 rank 0's feeder, three ways in one run: headers, a cold index (this feeder writes it), a warm
 index (another feeder wrote it), and reports seconds per step and the ratios. Starting is
 listing every shard's samples: from the tars' headers, or from the listings kept beside the index
-(``datasvc.listings``).
+(``datasvc.read.listings``).
 
     python -m datasvc.tools.bench.planning --dp 8 64 512 --out /tmp/planning
 """
@@ -27,6 +27,7 @@ from itertools import islice
 import numpy as np
 
 from datasvc.tools.bench.provenance import stamp
+from datasvc.usage import HelpFormatter
 
 
 def write_shards(out_dir: str, samples: int, per_shard: int = 64, seed: int = 0) -> list[str]:
@@ -64,7 +65,7 @@ def write_shards(out_dir: str, samples: int, per_shard: int = 64, seed: int = 0)
 def time_plan(cfg, steps: int) -> tuple[float, float, int, dict | None]:
     """(seconds to start the feeder: listing every shard; seconds for the first ``steps`` planned and
     dealt steps; steps made; sizes index counts)."""
-    from datasvc.balanced import BalancedProducer
+    from datasvc.stream.balanced import BalancedProducer
 
     t0 = time.perf_counter()
     producer = BalancedProducer(cfg, 0)
@@ -102,7 +103,7 @@ def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.planning", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m datasvc.tools.bench.planning", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches-per-step", type=int, default=2)

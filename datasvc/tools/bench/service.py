@@ -33,8 +33,8 @@ def _service_config(shards, actors: int, seq_len: int, max_pixels: int, samples_
 def run_in_process(cfg) -> dict:
     """The same work as the service, in this one process: each rank's ``BlockProducer`` (the
     feeder's own plan, items, packing and chains) with the actors' ``ItemProcessor`` inline."""
-    from datasvc.process import ItemProcessor
-    from datasvc.producer import BlockProducer
+    from datasvc.stream.process import ItemProcessor
+    from datasvc.stream.producer import BlockProducer
 
     processor = ItemProcessor(cfg)
     producers = [BlockProducer(cfg, rank, process=processor) for rank in range(cfg.dp_size)]
@@ -54,8 +54,8 @@ def run_in_process(cfg) -> dict:
 
 def warm_up(cfg) -> None:
     """One work item through the actors' work (imports, DALI, tokenizer, page cache), untimed."""
-    from datasvc.plan import EpochPlan
-    from datasvc.process import ItemProcessor
+    from datasvc.pack.plan import EpochPlan
+    from datasvc.stream.process import ItemProcessor
 
     ItemProcessor(cfg)(EpochPlan(cfg).items(0, 0)[0])
 
@@ -63,8 +63,8 @@ def warm_up(cfg) -> None:
 def run_service(cfg, run: str) -> dict:
     """Drain the configured epochs through Ray; rates over the whole run and over the steady-state
     window (``datasvc.tools.window``: from the second block's first micro-batch on)."""
-    from datasvc.client import DataService
-    from datasvc.service import EndOfData
+    from datasvc.service.client import DataService
+    from datasvc.service.feeder import EndOfData
 
     t_start = time.perf_counter()
     svc = DataService(cfg, run=run)
@@ -121,7 +121,7 @@ def bench_service(max_actors: int | None = None, samples: int = 200, seq_len: in
                   epochs: int = 2) -> dict:
     import ray
 
-    from datasvc.cluster import connect
+    from datasvc.service.cluster import connect
 
     cpus = os.cpu_count() or 1
     max_actors = max_actors or cpus

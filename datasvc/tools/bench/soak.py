@@ -3,14 +3,20 @@
 ``vlmfeed bench soak --minutes 10``. The shards mix every class of bad data of
 ``datasvc.tools.bench.hostile`` (exceptions in parsing, duplicate members, a corrupt header
 mid-shard, gzip, links, a truncated JPEG, an EXIF-rotated photo, a decompression-bomb PNG over the
-decoded-bytes budget, a sample that kills its actor) with good ones, while actors and the feeder
-are killed from outside. The report (JSON) passes (``ok``) when:
+decoded-bytes budget, a sample that kills its actor, and the tar edge cases: a .tar.gz padded over
+the encoded-bytes budget, a pax size of -1, a pax header over 1 MiB, sparse members, a zero-filled
+file, NFD captions, orphans, dotted names, one shard named twice) with good ones, while actors and
+the feeder are killed from outside. The report (JSON) passes (``ok``) when:
 
 - crashes == 0: the stream never raised;
 - samples_lost == samples_duplicated == 0: for every completed epoch, the delivered keys equal
   exactly the keys an in-process run accepts, less the sample that kills its actor;
 - uncounted_samples == 0: read == delivered + quarantined + skipped_by_rule + in_flight;
-- rss_under_budget: the peak RSS of the cluster's processes stayed under ``rss_budget_mib``.
+- rss_under_budget: the peak RSS of the cluster's processes stayed under ``rss_budget_mib``;
+- tar_edge_reasons_missing is empty: each tar edge case was counted under its reason;
+- a shard named twice was read once, and a shard rewritten between indexing and reading had every
+  sample counted ``shard_changed`` (checked on its own before the stream: a feeder restarted during
+  the stream refuses a changed dataset by design, so a rewrite mid-stream would stop the run).
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from datasvc.samples import cache_dir
 def accepted_keys(cfg) -> Counter:
     """What one epoch delivers in process (the reference for 'nothing lost'): the feeder's own
     producer, with the actors' work run inline (no fault injection)."""
-    from datasvc.producer import BlockProducer
+    from datasvc.stream.producer import BlockProducer
 
     keys = Counter()
     for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1, fault_injection={}), 0).micro_batches():
@@ -55,34 +61,63 @@ def _ray_rss_mib() -> float:
 
 
 DECODED_BYTES_BUDGET = 64 << 20  # per actor: the decompression bomb (75 MB decoded) is over it
+ENCODED_BYTES_BUDGET = 64 << 20  # per actor: the padded .tar.gz sample (128 MiB of members) is over it
 BOMB_SIDE = 5000
+# What the tar edge cases of the hostile set are counted under, in every soak.
+TAR_EDGE_REASONS = frozenset({"sample_too_large", "corrupt_tar_header", "tar_header_too_large", "sparse_member",
+                              "unreadable_tar", "missing_image", "missing_text", "dotted_text_member"})
 
 
 def _soak_config():
     from datasvc.config import ServiceConfig
-    from datasvc.plan import TRAINING_CHAIN_BLOCKS
     from datasvc.samples import encode_image, real_photos, write_photo_shards
     from datasvc.tools.bench.hostile import write_hostile_set
+    from datasvc.training import CHAIN_BLOCKS
 
     root = cache_dir("soak")
     good = write_photo_shards(os.path.join(root, "good"), samples_per_shard=6, copies=2)
     hostile, kill_key = write_hostile_set(os.path.join(root, "hostile"), encode_image(real_photos()[1][1]), good[0],
                                           bomb_side=BOMB_SIDE)
+    alias = os.path.join(root, "hostile-alias")  # the hostile directory by a second name
+    if not os.path.islink(alias):
+        os.symlink(os.path.join(root, "hostile"), alias, target_is_directory=True)
     # Blocks pack in chains as in trainer.run, so a killed feeder often restarts mid-chain and must
     # replay the chain's earlier blocks to rebuild the rows they held.
-    cfg = ServiceConfig(shards=tuple(good + hostile), seq_len=512, micro_batch_size=2, samples_per_item=4,
-                        items_per_block=2, chain_blocks=TRAINING_CHAIN_BLOCKS,
+    cfg = ServiceConfig(shards=tuple(good + hostile + [os.path.join(alias, "duplicates.tar")]), seq_len=512,
+                        micro_batch_size=2, samples_per_item=4, items_per_block=2, chain_blocks=CHAIN_BLOCKS,
                         pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
-                        decoded_bytes_budget=DECODED_BYTES_BUDGET, fault_injection={"kill_on_key": kill_key},
+                        decoded_bytes_budget=DECODED_BYTES_BUDGET, encoded_bytes_budget=ENCODED_BYTES_BUDGET,
+                        fault_injection={"kill_on_key": kill_key},
                         epochs=None, min_actors=1, max_actors=2, max_batches_ahead=3, autoscale_interval_s=2.0)
     return cfg, kill_key
+
+
+def file_checks(cfg) -> dict:
+    """The shard-file cases a stream cannot show: the shard named twice (read once?), and a shard
+    rewritten in place between indexing and reading, read as an actor reads a work item."""
+    from datasvc.read.shards import expand_shards, index_shard
+    from datasvc.samples import encode_image, real_photos
+    from datasvc.stream.process import ItemProcessor
+    from datasvc.tools.bench.hostile import good, rewrite_in_place, write_tar
+    from datasvc.wire import WorkItem
+
+    photo = encode_image(real_photos()[1][1])
+    path = write_tar(os.path.join(cache_dir("soak"), "rewritten.tar"), [m for i in range(4) for m in good(f"rw{i}", photo)])
+    index = index_shard(path)
+    rewrite_in_place(path)
+    result = ItemProcessor(dataclasses.replace(cfg, fault_injection={}), device_id=None)(
+        WorkItem(path, 0, tuple(index.samples)))
+    return {"shard_names": len(cfg.shards), "shard_files": len({os.path.realpath(p) for p in cfg.shards}),
+            "shard_files_read": len(expand_shards(list(cfg.shards))),
+            "rewritten_shard": {"samples": len(index.samples), "delivered": len(result.samples),
+                                "shard_changed": result.accounting.quarantined["shard_changed"]}}
 
 
 def _inject_fault(svc, rng: random.Random, faults: Counter) -> None:
     """Kill a preprocessing actor (through Ray or with SIGKILL) or the feeder; count what was done."""
     import ray
 
-    from datasvc.service import feeder_name
+    from datasvc.service.feeder import feeder_name
 
     kind = rng.choice(["ray.kill actor", "SIGKILL actor", "ray.kill feeder"])
     try:
@@ -105,11 +140,12 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
          rss_budget_mib: float = 6144.0) -> dict:
     """Stream for ``minutes``, killing an actor or the feeder every ``kill_every_s``; the report
     (see the module doc) is printed, written to ``out`` as JSON, and returned."""
-    from datasvc.client import DataService
-    from datasvc.cluster import connect
+    from datasvc.service.client import DataService
+    from datasvc.service.cluster import connect
 
     rng = random.Random(seed)
     cfg, kill_key = _soak_config()
+    checks = file_checks(cfg)
     expected = accepted_keys(cfg)
     expected.pop(kill_key, None)  # quarantined worker_died by the actors; inline nothing kills it
     connect(num_cpus=max(2, os.cpu_count() or 2))
@@ -124,7 +160,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
     finally:
         client.close()
         svc.shutdown()
-    report = _soak_report(minutes, run, expected, stats, rss_budget_mib, kill_key)
+    report = _soak_report(minutes, run, expected, stats, rss_budget_mib, kill_key, checks)
     print("\n".join(f"{k:>36}: {v}" for k, v in report.items()))
     if out:
         with open(out, "w") as f:
@@ -134,7 +170,7 @@ def soak(minutes: float, out: str | None = None, kill_every_s: float = 20.0, see
 
 def _stream(client, svc, minutes: float, kill_every_s: float, rng: random.Random, run: dict) -> None:
     """Take micro-batches until the clock runs out (or the stream ends or raises: a crash)."""
-    from datasvc.service import EndOfData
+    from datasvc.service.feeder import EndOfData
 
     t_end = time.monotonic() + minutes * 60
     next_kill = time.monotonic() + kill_every_s
@@ -166,7 +202,7 @@ def _stream(client, svc, minutes: float, kill_every_s: float, rng: random.Random
 def _feeder_stats(svc, timeout: float | None = None) -> dict:
     import ray
 
-    from datasvc.service import feeder_name
+    from datasvc.service.feeder import feeder_name
 
     return ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote(), timeout=timeout)
 
@@ -180,7 +216,7 @@ def _note_reasons(svc, seen: set) -> None:
 
 
 def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_budget_mib: float,
-                 kill_key: str) -> dict:
+                 kill_key: str, checks: dict) -> dict:
     per_epoch, faults, rss = run["per_epoch"], run["faults"], run["rss"]
     completed = sorted(per_epoch)[:-1]  # the last epoch was cut off by the clock
     lost_keys = {e: sorted(expected - per_epoch[e]) for e in completed if expected - per_epoch[e]}
@@ -208,7 +244,13 @@ def _soak_report(minutes: float, run: dict, expected: Counter, stats: dict, rss_
         "ray_rss_mib_after_warmup": round(rss["first"] or 0, 1), "ray_rss_mib_peak": round(rss["peak"], 1),
         "ray_rss_mib_final": round(rss.get("final", 0), 1),
         "rss_under_budget": rss["peak"] <= rss_budget_mib,
+        "encoded_bytes_budget_mib": ENCODED_BYTES_BUDGET >> 20,
+        "tar_edge_reasons_missing": sorted(TAR_EDGE_REASONS - run["reasons_seen"] - set(a["quarantined"])),
+        **checks,
     }
+    rewritten = checks["rewritten_shard"]
     report["ok"] = (report["crashes"] == 0 and lost == 0 and dup == 0 and uncounted == 0
-                    and report["rss_under_budget"])
+                    and report["rss_under_budget"] and not report["tar_edge_reasons_missing"]
+                    and checks["shard_files_read"] == checks["shard_files"] < checks["shard_names"]
+                    and rewritten["shard_changed"] == rewritten["samples"] > 0 == rewritten["delivered"])
     return report

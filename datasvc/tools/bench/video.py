@@ -4,10 +4,10 @@ The clips are real photos filmed by a virtual camera and encoded by FFmpeg's enc
 (``datasvc.tools.synth.videos``), one per codec and frame size, at a fixed length, rate, GOP and
 bits per pixel. Each contender decodes them to RGB uint8 frames on one thread:
 
-- ``dali_cpu``: DALI's CPU video decoder as the actors run it (``datasvc.videodecode``: whole
+- ``dali_cpu``: DALI's CPU video decoder as the actors run it (``datasvc.media.videodecode``: whole
   containers in, the frame indices wanted; VP8, VP9 and MJPEG only);
 - ``pyav``: PyAV (FFmpeg's libavcodec), packets decoded in order, frames converted to RGB;
-- ``pyav_backend``: the actors' PyAV backend (``datasvc.videodecode``, for what no DALI backend
+- ``pyav_backend``: the actors' PyAV backend (``datasvc.media.videodecode``, for what no DALI backend
   takes): decode from the keyframe before the first wanted frame, RGB converted as DALI converts;
 - ``torchvision``: its video decoder, where this torch build has one (0.22+ moved it to torchcodec);
 - ``dali_gpu``: DALI's mixed backend (NVDEC), when a CUDA device is present.
@@ -18,7 +18,7 @@ pipeline gives clips of 4, 10 and 30 seconds (``jpegscale.resize_uint8``, which 
 alternated rounds, each with its distance from HF's resize (``vision.hf_resize``).
 
 Two modes: ``all`` decodes every frame; ``sampled`` delivers only the frames the pipeline's processor
-samples (2 a second, ``datasvc.video.sample_frame_indices``), as training does: DALI seeks to the
+samples (2 a second, ``datasvc.media.video.sample_frame_indices``), as training does: DALI seeks to the
 keyframe before each, PyAV decodes forward to the last. Rates are wall-clock frames/s delivered,
 best of ``repeats`` passes, and frames per process CPU-second; ratios are against the fastest
 contender of the same clip and mode, in the same run. Nothing here asserts a target.
@@ -44,9 +44,9 @@ def make_clips(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float = 
     """One clip per format and size: ``{"fmt", "size", "data", "header"}``. The clips are encoded
     in parallel, one process per clip up to the host's cores (the AV1 encoder alone takes most of a
     minute); each clip's content depends only on its seed and place, not on the process count."""
+    from datasvc.media.video import probe_video
     from datasvc.tools.synth.videos import VideoSpec
     from datasvc.tools.synth.write import spawned_map
-    from datasvc.video import probe_video
 
     jobs = []
     for i, fmt in enumerate(formats):
@@ -70,7 +70,7 @@ def _render(job) -> bytes:
 
 
 def _frames(clip: dict, mode: str, spec) -> list[int]:
-    from datasvc.video import sample_frame_indices
+    from datasvc.media.video import sample_frame_indices
 
     h = clip["header"]
     if mode == "all":
@@ -96,14 +96,14 @@ def _pyav(clip: dict, wanted: list[int]) -> int:
 
 def _plan(clip: dict, wanted: list[int]):
     """A plan that asks for the ``wanted`` frames of the clip at their stored size."""
-    from datasvc.video import VideoPlan
+    from datasvc.media.video import VideoPlan
 
     h = clip["header"]
     return VideoPlan(clip["data"], h, tuple(wanted), (h.height, h.width), (1, 1, 1), ())
 
 
 def _dali(decoder):
-    from datasvc.vision import ImageRejected
+    from datasvc.media.vision import ImageRejected
 
     def run(clip: dict, wanted: list[int]) -> int:
         (frames,) = decoder.decode_frames([_plan(clip, wanted)])
@@ -115,8 +115,8 @@ def _dali(decoder):
 
 
 def _pyav_backend(clip: dict, wanted: list[int]) -> int:
-    from datasvc.videodecode import _PyAVVideo
-    from datasvc.vision import ImageRejected
+    from datasvc.media.videodecode import _PyAVVideo
+    from datasvc.media.vision import ImageRejected
 
     (frames,) = _PyAVVideo().decode([_plan(clip, wanted)])
     if isinstance(frames, ImageRejected):
@@ -156,8 +156,8 @@ def _torchvision(clip: dict, wanted: list[int]) -> int:  # pragma: no cover - bu
 
 def _contenders() -> tuple[dict, dict]:
     """(name -> (decode function, which headers it takes)), (name -> why it is absent)."""
-    from datasvc.video import CPU_CODECS
-    from datasvc.videodecode import VideoDecoder
+    from datasvc.media.video import CPU_CODECS
+    from datasvc.media.videodecode import VideoDecoder
 
     found = {"dali_cpu": (_dali(VideoDecoder(device_id=None, num_threads=1, max_batch=1)),
                           lambda h: h.codec in CPU_CODECS),
@@ -245,7 +245,7 @@ def bench_video(formats=FORMATS, sizes=SIZES, seconds: float = 4.0, fps: float =
 def _decoded(clip: dict, frames: int) -> list[np.ndarray]:
     """The clip's first ``frames`` frames, decoded by the actors' PyAV backend; none where it
     cannot decode the clip."""
-    from datasvc.videodecode import _PyAVVideo
+    from datasvc.media.videodecode import _PyAVVideo
 
     (decoded,) = _PyAVVideo().decode([_plan(clip, list(range(min(frames, clip["header"].frames))))])
     return list(decoded) if isinstance(decoded, np.ndarray) else []
@@ -262,7 +262,7 @@ def _hf_distance(frames: list[np.ndarray], resized: list[np.ndarray], target_hw,
     """The largest mean |diff| over the frames from HF's resize, in normalized pixel units."""
     import torch
 
-    from datasvc.vision import hf_resize
+    from datasvc.media.vision import hf_resize
 
     scale = 255 * float(np.mean(vision.image_std))
     return max(float(np.abs(r.astype(np.float32) - hf_resize(torch.from_numpy(f), target_hw).numpy()).mean()) / scale
@@ -274,10 +274,10 @@ def bench_resize(clips: list[dict], pipeline: str = "qwen3vl", frames: int = 8, 
     """Per clip size and target: process CPU ms per frame of the actors' resize and of the area
     baseline (medians of alternated rounds), the baseline's time over ours, and each one's
     distance from HF."""
-    from datasvc.jpegscale import resize_uint8
+    from datasvc.media.jpegscale import resize_uint8
+    from datasvc.media.video import video_target_size
     from datasvc.registry import get_layout, get_pipeline
     from datasvc.tools.bench.timing import paired_cpu_ratio
-    from datasvc.video import video_target_size
 
     vision, spec = get_layout(pipeline).vision, get_pipeline(pipeline).video
     rows, done = [], set()

@@ -1,5 +1,5 @@
 import sys
 
-from datasvc.tools.profile.cli import main
+from datasvc.tools.cli import main
 
-sys.exit(main())
+sys.exit(main(["profile", *sys.argv[1:]]))

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
 
 import numpy as np
 
-from datasvc.filters import add_filter_flags, filters_from_flags
-from datasvc.tools.profile.sweep import TRAINING_BLOCK_MICRO_BATCHES, Settings, profile
+from datasvc.read.filters import add_filter_flags, filters_from_flags
+from datasvc.tools.profile.sweep import Settings, profile
 from datasvc.tools.profile.verdict import Demand
+from datasvc.training import add_data_flags
+from datasvc.usage import HelpFormatter
 
 MODES = ("compare", "synth-check")
 
@@ -36,50 +37,32 @@ def _floats(s: str) -> list[float]:
 
 
 def _shards(spec: str) -> list[str]:
-    """A directory (its tars, plain or gzip; an Energon dataset directory as it is), a glob, brace
-    pattern or s3:// URL, or a comma list of them."""
-    out = []
-    for part in spec.split(","):
-        if os.path.isdir(part) and not os.path.isdir(os.path.join(part, ".nv-meta")):
-            out.extend(sorted(p for ext in ("*.tar", "*.tar.gz", "*.tgz") for p in glob.glob(os.path.join(part, ext))))
-        else:
-            out.append(part)
+    """A comma list of shard patterns (``datasvc.read.shards.expand_shards`` takes each: a path, glob, brace
+    pattern, directory, Energon dataset or s3:// URL)."""
+    out = [part for part in spec.split(",") if part]
     if not out:
         raise argparse.ArgumentTypeError(f"no shards in {spec!r}")
     return out
 
 
 def _data_args(ap: argparse.ArgumentParser) -> None:
-    from datasvc.plan import TRAINING_CHAIN_BLOCKS
-
-    ap.add_argument("--pipeline", default="qwen3vl")
-    ap.add_argument("--seq-len", type=int, default=4096)
+    add_data_flags(ap, "--pipeline")
+    # a GPU trainer's demand is what the profile judges, so its rows and pixel cap by default
+    add_data_flags(ap, "--device", "--seq-len", "--max-pixels", "--min-pixels", "--decode", device="gpu")
     ap.add_argument("--mbs", type=_ints, default=[1, 2, 4, 8], help="micro-batch sizes, comma separated")
-    ap.add_argument("--decode", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--cpu-jpeg-decoder", choices=("dali", "libjpeg-turbo"), default="dali",
-                    help="with --decode cpu: libjpeg-turbo decodes JPEGs at a reduced DCT scale")
+    add_data_flags(ap, "--cpu-jpeg-decoder")
     ap.add_argument("--actors", type=_ints, default=[1, 2], help="preprocessing actors per DP rank, comma separated")
     ap.add_argument("--threads", type=int, default=1, help="decode threads (CPUs) per actor")
     amount = ap.add_mutually_exclusive_group()
     amount.add_argument("--samples", type=int, help="samples to measure per setting (after a warm-up block); default 256")
     amount.add_argument("--seconds", type=float, help="seconds to measure per setting")
-    ap.add_argument("--max-pixels", type=int, help="pipeline max_pixels (default: the pipeline's)")
-    ap.add_argument("--video-fps", type=float, help="frames sampled a second of video (default: the pipeline's)")
-    ap.add_argument("--video-max-pixels", type=int,
-                    help="cap on frames x height x width of one video (default: the pipeline's)")
+    add_data_flags(ap, "--video-fps", "--video-max-pixels")
     ap.add_argument("--samples-per-item", type=int, default=16)
     blocks = ap.add_mutually_exclusive_group()
-    blocks.add_argument("--block-micro-batches", type=int, default=None,
-                        help=f"size blocks to fill this many micro-batches, as trainer.run does (default "
-                             f"{TRAINING_BLOCK_MICRO_BATCHES}, trainer.run's); the window needs about three blocks "
-                             "of --samples per setting")
-    blocks.add_argument("--items-per-block", type=int, default=None,
-                        help="force this many work items a block instead of sizing blocks")
-    ap.add_argument("--chain-blocks", type=int, default=None,
-                    help="blocks packed as a chain, a block's part-filled rows waiting for the next block "
-                         f"(default {TRAINING_CHAIN_BLOCKS}, as trainer.run)")
+    add_data_flags(blocks, "--block-micro-batches", "--items-per-block")  # the window needs ~3 blocks of --samples
+    add_data_flags(ap, "--chain-blocks")
     ap.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
-    ap.add_argument("--blend", default="", help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file")
+    add_data_flags(ap, "--blend")
     add_filter_flags(ap)
 
 
@@ -98,7 +81,7 @@ def _demand_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vision-frozen", action="store_true", help="vision tower not trained (forward FLOPs only)")
     ap.add_argument("--balance", choices=("on", "off"), default="off",
                     help="predict the straggler ratio over --dp ranks with each step's micro-batches dealt "
-                         "by datasvc.balance (on) or each rank keeping its own (off)")
+                         "by datasvc.pack.balance (on) or each rank keeping its own (off)")
     ap.add_argument("--gbs", type=int, help="global batch (rows) a step, for the straggler ratio: each rank "
                                             "trains GBS / (DP x MBS) micro-batches (default: --grad-accum, else 8)")
     ap.add_argument("--out", default="profile-out", help="directory for profile.json and profile.png")
@@ -107,7 +90,7 @@ def _demand_args(ap: argparse.ArgumentParser) -> None:
 
 def _parser(mode: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"vlmfeed profile{'' if mode == 'profile' else ' ' + mode}",
-                                 description=__doc__.split("\n\n")[0])
+                                 description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     if mode == "profile":
         ap.add_argument("shards", nargs="*", help="shard paths, globs, brace patterns, s3:// URLs or directories "
                                                   "(none with --blend)")
@@ -125,14 +108,15 @@ def _parser(mode: str) -> argparse.ArgumentParser:
 
 
 def _settings(args, shards) -> Settings:
-    return Settings(shards=shards, pipeline=args.pipeline, seq_len=args.seq_len, mbs=args.mbs, decode=args.decode,
+    return Settings(shards=shards, pipeline=args.pipeline, device=args.device, seq_len=args.seq_len, mbs=args.mbs,
+                    decode=args.decode, min_pixels=args.min_pixels,
                     cpu_jpeg_decoder=args.cpu_jpeg_decoder, actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
                     max_pixels=args.max_pixels, video_fps=args.video_fps, video_max_pixels=args.video_max_pixels,
                     samples_per_item=args.samples_per_item,
                     filters=filters_from_flags(args), blend=args.blend,
                     items_per_block=args.items_per_block,
-                    block_micro_batches=args.block_micro_batches or TRAINING_BLOCK_MICRO_BATCHES,
-                    chain_blocks=args.chain_blocks, dp=args.dp, balance=args.balance == "on", gbs=args.gbs,
+                    block_micro_batches=args.block_micro_batches,
+                    chain_blocks=args.chain_blocks, dp=args.dp or args.gpus, balance=args.balance == "on", gbs=args.gbs,
                     micro_batches_per_rank=args.grad_accum if args.grad_accum > 1 else None,
                     cost_preset=args.model)
 
@@ -214,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if mode == "profile" and not args.shards and not args.blend:
         ap.error("give shards (paths, globs, directories, s3:// URLs) or --blend")
-    for flag in ("block_micro_batches", "chain_blocks", "items_per_block"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     if mode == "synth-check" and "--mbs" not in argv:
         args.mbs = [1]
     if mode == "synth-check" and "--actors" not in argv:
         args.actors = [1]
     demand = _demand(args, ap)
-    from datasvc.cluster import connect
+    if mode == "profile" and args.shards:
+        from datasvc.read.shards import expand_shards
+
+        expand_shards([p for s in args.shards for p in _shards(s)])  # a wrong path stops here, before Ray starts
+    from datasvc.service.cluster import connect
 
     connect(num_cpus=args.num_cpus)
     progress = not args.no_progress
@@ -231,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report = profile(_settings(args, [p for s in args.shards for p in _shards(s)]), demand, progress=progress)
         print(table(report))
-        print(f"predicted straggler ratio over {args.dp or 1} DP rank(s), balance {args.balance}: "
+        print(f"predicted straggler ratio over {args.dp or args.gpus} DP rank(s), balance {args.balance}: "
               + ", ".join(f"{k}: {v:.3f}" if v is not None else f"{k}: n/a" for k, v in report["straggler_ratio"].items()))
         j, p = _write(args.out, report)
     else:

@@ -18,15 +18,14 @@ def image_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
     """Decode + preprocess cost of each source, in this process, in CPU seconds.
 
     A contention-robust companion to the service run: every shard's images go through the same
-    decoder and resize as in the actors (``datasvc.process.preprocess_images``), timed with
+    decoder and resize as in the actors (``datasvc.stream.process.preprocess_images``), timed with
     the process CPU clock (DALI's worker threads included), sources interleaved in each round, and
     the cheapest of ``repeat`` rounds kept per sample (a burst of load elsewhere spoils one sample's
     timing in one round, not a whole source's). Also counts vision tokens per sample exactly.
     """
-    from datasvc.process import make_decoder
-    from datasvc.process import preprocess_images
+    from datasvc.read.shards import ReadLimits, expand_shards, index_shard, read_samples
     from datasvc.registry import get_pipeline
-    from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
+    from datasvc.stream.process import make_decoder, preprocess_images
 
     pipe = get_pipeline(pipeline, **(pipeline_options or {}))
     spec = pipe.vision
@@ -83,10 +82,10 @@ def image_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
 
 def vision_tokens_per_sample(shards: list[str], pipeline: str = "qwen3vl", pipeline_options: dict | None = None) -> dict:
     """Exact vision tokens per sample of whole shards, from image headers only (no decode)."""
-    from datasvc.decode import probe
+    from datasvc.media.decode import probe
+    from datasvc.media.vision import ImageRejected
+    from datasvc.read.shards import ReadLimits, expand_shards, index_shard, read_samples
     from datasvc.registry import get_layout
-    from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
-    from datasvc.vision import ImageRejected
 
     spec = get_layout(pipeline, **(pipeline_options or {})).vision
     samples = images = tokens = rejected = 0
@@ -145,8 +144,8 @@ def synth_claim(cmp: dict, synthetic: str = "synthetic", mock: str = "mock",
 def synth_check(out_dir: str, settings: Settings, copies: int = 2, seed: int = 0, repeat: int = 2,
                 demand: Demand | None = None, progress: bool = True) -> dict:
     """Real photo shards -> calibrated synthetic (same sample count) and mock shards -> compare."""
+    from datasvc.read.shards import index_shard
     from datasvc.samples import write_photo_shards
-    from datasvc.shards import index_shard
     from datasvc.tools.synth import calibrate, write_shards
 
     real = write_photo_shards(os.path.join(out_dir, "real"), samples_per_shard=8, copies=copies)
@@ -159,8 +158,7 @@ def synth_check(out_dir: str, settings: Settings, copies: int = 2, seed: int = 0
                         progress=progress)
     sources = {"real": real, "synthetic": syn, "mock": mock}
     cmp = compare(sources, settings, demand, repeat=repeat, progress=progress)
-    opts = {"max_pixels": settings.max_pixels} if settings.max_pixels else {}
-    cmp["image_cost"] = image_cost(sources, settings.pipeline, opts, settings.decode, settings.threads, repeat=5)
+    cmp["image_cost"] = image_cost(sources, settings.pipeline, settings.pipeline_options(), settings.decode, settings.threads, repeat=5)
     cmp["claim"] = synth_claim(cmp)
     cmp["samples_per_source"] = n
     return cmp

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datasvc.batch import grid_patches
-from datasvc.balance import shape_of
+from datasvc.media.video import VIDEO_STAGES
+from datasvc.pack.balance import shape_of
 from datasvc.stats import STAGES
 from datasvc.tools.window import steady_window, window_is_full
-from datasvc.video import VIDEO_STAGES
 
 ACTOR_STAGES = tuple(s for s in STAGES if s not in ("pack", "transfer"))
 """Stages that run in the preprocessing actors (pack runs in the feeder, transfer in the client)."""
@@ -162,7 +162,7 @@ def _consume(client, feeder, spec, model, samples: int | None, seconds: float | 
     ``timeout_s`` passes): (blocks seen, whether the stream ended, the CPU meter)."""
     import ray
 
-    from datasvc.service import EndOfData
+    from datasvc.service.feeder import EndOfData
 
     blocks: list[_Block] = []
     cpu: _CpuMeter | None = None
@@ -198,7 +198,7 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
     from tqdm import tqdm
 
     from datasvc.registry import get_layout
-    from datasvc.client import DataService
+    from datasvc.service.client import DataService
 
     spec = get_layout(cfg.pipeline, **cfg.pipeline_options).vision
     run = run or f"profile-{uuid.uuid4().hex[:8]}"

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 from datasvc.tools.profile.measure import measure
 from datasvc.tools.profile.verdict import Demand, verdicts
-
-TRAINING_BLOCK_MICRO_BATCHES = 8
-"""Micro-batches a sized block should fill: ``trainer.run``'s ``--block-micro-batches`` default."""
+from datasvc.training import BLOCK_MICRO_BATCHES
 DEFAULT_MICRO_BATCHES_PER_RANK = 8
 """Micro-batches a DP rank trains a step when neither --gbs nor --grad-accum says (one would leave
 nothing to balance: each rank's single micro-batch is its step)."""
@@ -25,7 +23,11 @@ nothing to balance: each rank's single micro-batch is its step)."""
 class Settings:
     shards: list[str]
     pipeline: str = "qwen3vl"
-    seq_len: int = 4096
+    device: str = "gpu"
+    """Whose training geometry (``datasvc.training.DEVICE_DEFAULTS``): the profile predicts a GPU
+    trainer's demand, so its rows and pixel cap are a GPU run's unless told otherwise."""
+    seq_len: int | None = None
+    """Tokens per row (None: the device's)."""
     mbs: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     decode: str = "cpu"
     cpu_jpeg_decoder: str = "dali"
@@ -34,6 +36,8 @@ class Settings:
     samples: int | None = None
     seconds: float | None = None
     max_pixels: int | None = None
+    """Per-image pixel cap (None: the device's)."""
+    min_pixels: int | None = None
     video_fps: float | None = None
     """Frames the pipeline samples a second of video (None: the pipeline's)."""
     video_max_pixels: int | None = None
@@ -41,11 +45,11 @@ class Settings:
     samples_per_item: int = 16
     items_per_block: int | None = None
     """Work items a block, fixed; None (the default) sizes blocks as ``trainer.run`` does."""
-    block_micro_batches: int = TRAINING_BLOCK_MICRO_BATCHES
+    block_micro_batches: int = BLOCK_MICRO_BATCHES
     """Micro-batches a sized block should fill (``plan.size_blocks``), as ``trainer.run``'s
     ``--block-micro-batches``; unused when ``items_per_block`` is set."""
     chain_blocks: int | None = None
-    """Blocks packed as a chain (``ServiceConfig.chain_blocks``); default ``plan.TRAINING_CHAIN_BLOCKS``,
+    """Blocks packed as a chain (``ServiceConfig.chain_blocks``); default ``training.CHAIN_BLOCKS``,
     as ``trainer.run``. Blocks span epochs, as in ``trainer.run``: a block sized for 8 micro-batches
     of short samples can hold more than an epoch of a small set (image-free mock at MBS 8: 38 epochs
     of the 384-sample set), and cut at each epoch it would fill about a fifth of its rows."""
@@ -57,17 +61,24 @@ class Settings:
     dp: int | None = None
     """DP ranks the straggler ratio is predicted for (None: one rank, nothing to straggle)."""
     balance: bool = False
-    """Predict with the step's micro-batches dealt by ``datasvc.balance`` (``--balance on``)."""
+    """Predict with the step's micro-batches dealt by ``datasvc.pack.balance`` (``--balance on``)."""
     micro_batches_per_rank: int | None = None
     """Micro-batches a DP rank trains a step; None: GBS / (DP x MBS) from ``gbs``, else 8."""
     gbs: int | None = None
     cost_preset: str | None = None
     """The pipeline cost model's preset (default: its fitted proxy)."""
 
+    def __post_init__(self):
+        from datasvc.training import DEVICE_DEFAULTS
+
+        if self.device not in DEVICE_DEFAULTS:
+            raise ValueError(f"device {self.device!r}: use one of {', '.join(DEVICE_DEFAULTS)}")
+        self.seq_len = self.seq_len or DEVICE_DEFAULTS[self.device].seq_len
+
     def straggler(self, shapes: list, mbs: int) -> dict:
         """Predicted straggler ratio (max / mean rank cost a step) over ``dp`` ranks from one
         rank's measured micro-batches (``balance.profile_straggler``)."""
-        from datasvc import balance
+        from datasvc.pack import balance
 
         dp = self.dp or 1
         per_rank = self.micro_batches_per_rank or (self.gbs // (dp * mbs) if self.gbs else DEFAULT_MICRO_BATCHES_PER_RANK)
@@ -80,23 +91,27 @@ class Settings:
         return balance.profile_straggler(shapes, dp, per_rank, model, self.balance)
 
     def pipeline_options(self) -> dict:
-        """The pipeline options these settings override (the rest are the pipeline's)."""
-        return {k: v for k, v in (("max_pixels", self.max_pixels), ("video_fps", self.video_fps),
-                                  ("video_max_pixels", self.video_max_pixels)) if v}
+        """The pipeline options of these settings: the device's pixel cap unless given, and the
+        video options given (``datasvc.training.device_pipeline_options``)."""
+        from datasvc.training import device_pipeline_options
+
+        return device_pipeline_options(self.pipeline, self.device, self.max_pixels, self.min_pixels,
+                                       video_fps=self.video_fps, video_max_pixels=self.video_max_pixels)
 
     def config(self, mbs: int, actors: int):
-        """The service config of one setting, with blocks as ``trainer.run`` makes them."""
-        from datasvc.config import ServiceConfig
-        from datasvc.plan import TRAINING_CHAIN_BLOCKS, size_blocks
+        """The service config of one setting: ``trainer.run``'s stream (``datasvc.training``), with
+        a fixed pool of ``actors`` per rank."""
+        from datasvc.training import CHAIN_BLOCKS, training_config
 
-        cfg = ServiceConfig(shards=tuple(self.shards), pipeline=self.pipeline, pipeline_options=self.pipeline_options(),
-                            seq_len=self.seq_len, micro_batch_size=mbs, decode=self.decode,
-                            cpu_jpeg_decoder=self.cpu_jpeg_decoder, decode_threads=self.threads, min_actors=actors, max_actors=actors, epochs=None,
-                            autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
-                            items_per_block=self.items_per_block or 1, seed=self.seed, blocks_span_epochs=True,
-                            chain_blocks=self.chain_blocks or TRAINING_CHAIN_BLOCKS, filters=tuple(self.filters),
-                            blend=self.blend)
-        return cfg if self.items_per_block else size_blocks(cfg, self.block_micro_batches)[0]
+        cfg, _ = training_config(
+            tuple(self.shards), device=self.device, pipeline=self.pipeline, seq_len=self.seq_len, micro_batch_size=mbs,
+            max_pixels=self.max_pixels, min_pixels=self.min_pixels,
+            pipeline_options={"video_fps": self.video_fps, "video_max_pixels": self.video_max_pixels},
+            block_micro_batches=self.block_micro_batches, items_per_block=self.items_per_block,
+            decode=self.decode, cpu_jpeg_decoder=self.cpu_jpeg_decoder, decode_threads=self.threads,
+            min_actors=actors, max_actors=actors, autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
+            seed=self.seed, chain_blocks=self.chain_blocks or CHAIN_BLOCKS, filters=tuple(self.filters), blend=self.blend)
+        return cfg
 
 
 def profile(settings: Settings, demand: Demand | None = None, progress: bool = True, label: str = "") -> dict:

@@ -17,9 +17,9 @@ from datasvc.tools.profile.report import cost_table
 def _plans(shards: list[str], vision, spec) -> tuple[list, int, int]:
     """Every video's plan (frames, size, grid from its container), how many videos were rejected,
     and how many samples were read."""
-    from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
-    from datasvc.video import plan_video
-    from datasvc.vision import ImageRejected
+    from datasvc.media.video import plan_video
+    from datasvc.media.vision import ImageRejected
+    from datasvc.read.shards import ReadLimits, expand_shards, index_shard, read_samples
 
     plans, rejected, samples = [], 0, 0
     for path in expand_shards(list(shards)):
@@ -39,9 +39,9 @@ def video_cost(sources: dict[str, list[str]], pipeline: str = "qwen3vl", pipelin
     (decode + resize to pixel rows, as the actors do) and video tokens per CPU-second; {} when no
     source holds a video. Videos the decoder here cannot take (``video_codec_needs_gpu``) count
     as ``undecoded`` and are left out of the cost."""
+    from datasvc.media.videodecode import VideoDecoder
+    from datasvc.media.vision import ImageRejected
     from datasvc.registry import get_pipeline
-    from datasvc.videodecode import VideoDecoder
-    from datasvc.vision import ImageRejected
 
     pipe = get_pipeline(pipeline, **(pipeline_options or {}))
     vision, spec = pipe.vision, pipe.video

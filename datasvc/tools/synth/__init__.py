@@ -9,7 +9,7 @@ photos filmed by a virtual camera and encoded by FFmpeg's encoders at the data's
 rates, sizes, codecs, bitrates and keyframe intervals. ``--mock`` writes the image-free variant with
 the identical text, so the two can be compared head to head.
 
-A :class:`Profile` is a set of distributions. Five are built in (:data:`PROFILES`); ``calibrate``
+A :class:`Profile` is a set of distributions. Seven are built in (:data:`PROFILES`); ``calibrate``
 fits one to real shards from headers and sizes only (no pixel decode, no model, nothing unpickled).
 
 Output layout (WebDataset): ``DIR/synth-000000.tar``, ... Each sample has ``__key__``, its

@@ -1,5 +1,5 @@
 import sys
 
-from datasvc.tools.synth.cli import main
+from datasvc.tools.cli import main
 
-sys.exit(main())
+sys.exit(main(["synth", *sys.argv[1:]]))

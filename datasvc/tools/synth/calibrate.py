@@ -1,6 +1,6 @@
 """Reading real shards, headers and sizes only: their statistics, and a profile fitted to them.
 
-Shards are read through ``datasvc.shards`` (the service's reader, with its image extensions and
+Shards are read through ``datasvc.read.shards`` (the service's reader, with its image extensions and
 its limits): nothing is decoded, nothing is unpickled.
 """
 from __future__ import annotations
@@ -8,13 +8,12 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 from PIL import Image, JpegImagePlugin
 
-from datasvc.shards import ReadLimits, expand_shards, index_shard, read_samples
+from datasvc.read.shards import ReadLimits, expand_shards, index_shard, read_samples
 from datasvc.tools.synth.dist import PROFILES, Dist, Profile
 from datasvc.tools.synth.text import _count_words
 from datasvc.tools.synth.videos import fit_sizes, mean_or_none, video_record
@@ -46,13 +45,8 @@ def estimate_jpeg_quality(im: Image.Image) -> int | None:
 
 
 def shard_paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Shard files from paths, globs, brace patterns or directories (their ``*.tar``)."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    patterns: list[str] = []
-    for p in map(str, paths):
-        patterns.extend(sorted(str(x) for x in Path(p).glob("*.tar")) if os.path.isdir(p) else [p])
-    return expand_shards(patterns)
+    """Shard files from paths, globs, brace patterns or directories (``datasvc.read.shards.expand_shards``)."""
+    return expand_shards([str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths])
 
 
 def _image_record(data: bytes) -> dict | None:
@@ -119,7 +113,7 @@ def _sample_record(raw) -> dict | None:
 
 
 def _scan(paths) -> list[dict]:
-    """One record per readable sample, read as the service reads it (``datasvc.shards``): only
+    """One record per readable sample, read as the service reads it (``datasvc.read.shards``): only
     image, video, txt and json members are read, anything else (pickles included) is skipped unread, and
     samples the service would reject unread (truncated, oversized, bad text) are left out."""
     records = []

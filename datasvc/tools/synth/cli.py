@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Sequence
 
+from datasvc.usage import HelpFormatter
 from datasvc.tools.synth.calibrate import calibrate, image_statistics
 from datasvc.tools.synth.dist import PROFILES, Profile
 from datasvc.tools.synth.write import write_shards
@@ -52,7 +53,7 @@ def _report(columns: dict[str, dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="vlmfeed synth",
-        description="Write realistic synthetic image-text and video-text WebDataset shards (or image-free mock ones).")
+        description="Write realistic synthetic image-text and video-text WebDataset shards (or image-free mock ones).", formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="output directory for synth-NNNNNN.tar")
     ap.add_argument("--samples", type=int, required=True, help="number of samples")
     src = ap.add_mutually_exclusive_group()
@@ -101,5 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from datasvc.tools.cli import main as vlmfeed
+
+    sys.exit(vlmfeed(["synth", *sys.argv[1:]]))
 

@@ -1,6 +1,6 @@
 """Distributions and profiles: what a synthetic data set's images and text look like.
 
-A :class:`Profile` is a set of :class:`Dist` distributions; five are built in (:data:`PROFILES`)
+A :class:`Profile` is a set of :class:`Dist` distributions; seven are built in (:data:`PROFILES`)
 and ``calibrate`` fits one to real shards. Both round-trip through JSON.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _norm_ppf(u: float) -> float:
 
 ENCODERS = {"h264": "libx264", "hevc": "libx265", "vp9": "libvpx-vp9", "vp8": "libvpx", "av1": "libsvtav1",
             "mjpeg": "mjpeg", "mpeg4": "mpeg4"}
-"""The FFmpeg encoder that writes each codec ``datasvc.video`` reads."""
+"""The FFmpeg encoder that writes each codec ``datasvc.media.video`` reads."""
 CONTAINERS = {"mp4": "mp4", "mov": "mov", "webm": "webm", "mkv": "matroska"}
 """Member extension -> the FFmpeg muxer that writes it."""
 
@@ -210,10 +210,12 @@ class Profile:
     video_gop_seconds: Dist | dict = field(default_factory=lambda: Dist.lognormal(2.0, 0.5, 0.25, 10.0))
     """Seconds between keyframes (a sampled frame costs the decode from its keyframe to it); one
     ``Dist`` or one per video format, as ``video_bits_per_pixel``."""
+    turns: Dist = field(default_factory=lambda: Dist.choice([1], [1.0]))
+    """Question-answer turns of a conversation; its images and videos come with the first question."""
 
     _DISTS = ("megapixels", "aspect", "jpeg_quality", "images_per_sample", "caption_words",
               "question_words", "answer_words", "jpeg_bpp", "detail", "video_fps", "video_seconds",
-              "video_bits_per_pixel", "video_gop_seconds")
+              "video_bits_per_pixel", "video_gop_seconds", "turns")
 
     def to_dict(self) -> dict:
         d = {}
@@ -320,6 +322,38 @@ PROFILES: dict[str, Profile] = {
         progressive_fraction=0.05,
         gray_fraction=0.1,
         subsampling={"4:2:0": 0.7, "4:4:4": 0.3},
+    ),
+    # Instruction SFT as LLaVA-1.5's mix (Liu et al., "Improved Baselines with Visual Instruction
+    # Tuning", 2023: 665k conversations, mostly over COCO images, whose long side is 640 px) is
+    # trained: one photo, a multi-turn conversation with long answers, 1-3k tokens a sample.
+    "llava-sft": Profile(
+        name="llava-sft",
+        description="instruction SFT: one COCO-sized photo, 2-8 question-answer turns, 1-3k tokens",
+        megapixels=Dist.lognormal(0.28, 0.15, 0.15, 0.5),
+        aspect=Dist.choice([4 / 3, 3 / 4, 3 / 2, 1.0, 16 / 9], [0.5, 0.2, 0.1, 0.1, 0.1]),
+        jpeg_quality=Dist.choice([85, 90, 95], [0.4, 0.4, 0.2]),
+        kinds={"photo/jpeg": 1.0},
+        images_per_sample=Dist.choice([1], [1.0]),
+        caption_words=Dist.lognormal(60, 0.5, 10, 300),
+        conversation_fraction=1.0,
+        question_words=Dist.lognormal(14, 0.5, 3, 80),
+        answer_words=Dist.lognormal(140, 0.6, 5, 500),
+        turns=Dist.choice([2, 3, 4, 5, 6, 8], [0.2, 0.25, 0.2, 0.15, 0.1, 0.1]),
+    ),
+    # Interleaved multi-image samples (MMC4 / OBELICS-like documents made conversations, and
+    # multi-image instruction data): 4-8 web photos with short text around them.
+    "interleaved": Profile(
+        name="interleaved",
+        description="4-8 web photos a sample, a question over all of them and a paragraph answer",
+        megapixels=Dist.lognormal(0.4, 0.5, 0.1, 1.2),
+        aspect=Dist.choice([4 / 3, 3 / 2, 16 / 9, 1.0, 3 / 4], [0.3, 0.2, 0.2, 0.15, 0.15]),
+        jpeg_quality=Dist.choice([75, 85, 90, 95], [0.2, 0.35, 0.3, 0.15]),
+        kinds={"photo/jpeg": 0.9, "photo/png": 0.1},
+        images_per_sample=Dist.choice([4, 5, 6, 7, 8], [0.3, 0.25, 0.2, 0.15, 0.1]),
+        caption_words=Dist.lognormal(80, 0.6, 10, 400),
+        conversation_fraction=0.8,
+        question_words=Dist.lognormal(20, 0.5, 5, 80),
+        answer_words=Dist.lognormal(90, 0.6, 10, 400),
     ),
     # Camera originals (phones, DSLRs): 8-16 MP, high quality, 4:2:2 or 4:2:0, dense captions.
     "camera-hires": Profile(

@@ -43,10 +43,10 @@ class VideoSpec:
 
 
 def video_record(data: bytes) -> dict | None:
-    """Header facts of one video member from ``datasvc.video.probe_video`` (containers demuxed,
+    """Header facts of one video member from ``datasvc.media.video.probe_video`` (containers demuxed,
     no frame decoded); None for what the service would reject."""
-    from datasvc.video import probe_video
-    from datasvc.vision import ImageRejected
+    from datasvc.media.video import probe_video
+    from datasvc.media.vision import ImageRejected
 
     try:
         h = probe_video(data)
@@ -179,7 +179,7 @@ def _encoder_options(spec: VideoSpec) -> dict:
 
 
 def _stream_bitrate(data: bytes) -> float:
-    from datasvc.video import probe_video
+    from datasvc.media.video import probe_video
 
     h = probe_video(data)
     return 8 * (h.stream_bytes or len(data)) / h.duration

@@ -19,7 +19,7 @@ from datasvc.tools.synth.images import _compose, _encode, _fit_detail, _photo_la
 from datasvc.tools.synth.text import IMAGE_MARKER, _prose, _question
 from datasvc.tools.synth.videos import draw_video_spec, render_video
 
-VIDEO_MARKER = "<video>"  # a video's place in a conversation's string content (datasvc.formats)
+VIDEO_MARKER = "<video>"  # a video's place in a conversation's string content (datasvc.read.formats)
 
 
 @dataclass
@@ -107,8 +107,12 @@ def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
     rt = np.random.default_rng(s_text)
     conv = bool(rt.random() < profile.conversation_fraction)
     if conv:
-        question = _question(rt, max(1, round(profile.question_words.sample(rt))))
-        answer = _prose(rt, max(1, round(profile.answer_words.sample(rt))))
+        def turn():
+            return (_question(rt, max(1, round(profile.question_words.sample(rt)))),
+                    _prose(rt, max(1, round(profile.answer_words.sample(rt)))))
+
+        turns = [turn()]  # drawn before the count, so a one-turn profile's text is as it always was
+        turns += [turn() for _ in range(max(1, round(profile.turns.sample(rt))) - 1)]
     else:
         caption = _prose(rt, max(1, round(profile.caption_words.sample(rt))))
 
@@ -116,7 +120,7 @@ def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
     if mock:
         # Same words as the real sample (the text stream does not depend on images), no pixels:
         # exactly what an image-free benchmark feeds.
-        sample["txt"] = (question + " " + answer if conv else caption).encode()
+        sample["txt"] = (" ".join(q + " " + a for q, a in turns) if conv else caption).encode()
         return sample
     for i, (spec, ss) in enumerate(zip(specs, s_img.spawn(n_img))):
         ext = "jpg" if spec.fmt == "jpeg" else "png"
@@ -125,7 +129,8 @@ def _make_sample(index: int, profile: Profile, seed: int, mock: bool) -> dict:
         sample[spec.ext if n_vid == 1 else f"{i}.{spec.ext}"] = render_video(spec, np.random.default_rng(ss))
     if conv:
         user = "".join(IMAGE_MARKER + "\n" for _ in range(n_img)) + "".join(VIDEO_MARKER + "\n" for _ in range(n_vid))
-        msgs = [{"role": "user", "content": user + question}, {"role": "assistant", "content": answer}]
+        msgs = [m for i, (q, a) in enumerate(turns)
+                for m in ({"role": "user", "content": (user if i == 0 else "") + q}, {"role": "assistant", "content": a})]
         sample["json"] = json.dumps({"messages": msgs}).encode()
     else:
         sample["txt"] = caption.encode()

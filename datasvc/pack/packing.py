@@ -1,0 +1,159 @@
+"""Packing encoded samples into fixed-shape micro-batches of B rows x S tokens.
+
+Choose, then merge (as in Energon): ``plan_rows`` assigns samples to rows by best-fit decreasing
+(no sample or image span is ever split), ``plan_micro_batches`` deals rows to micro-batches so
+their vision patch counts are balanced, ``merge`` builds the arrays.
+"""
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from datasvc.batch import IGNORE_INDEX, EncodedSample, PackedBatch
+from datasvc.media.vision import grid_hw
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackingConfig:
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    pad_id: int = 0
+    pack: bool = True
+    """False: one sample per row, padded (the stock loaders' layout, kept for comparison)."""
+
+    def __post_init__(self):
+        if self.seq_len < 16:
+            raise ValueError(f"seq_len={self.seq_len} is too small to hold a chat turn; use >= 16")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+
+def plan_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing; returns sample indices per row (callers drop > seq_len)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        best, best_free = -1, seq_len + 1
+        for r, f in enumerate(free):
+            if lengths[i] <= f < best_free:
+                best, best_free = r, f
+        if best < 0:
+            rows.append([i])
+            free.append(seq_len - lengths[i])
+        else:
+            rows[best].append(i)
+            free[best] -= lengths[i]
+    return rows
+
+
+def plan_micro_batches(row_patches: list[int], micro_batch_size: int) -> list[list[int]]:
+    """Deal rows to ceil(R/B) micro-batches, heaviest first to the lightest one with room."""
+    n_mb = -(-len(row_patches) // micro_batch_size)
+    batches: list[list[int]] = [[] for _ in range(n_mb)]
+    load = [0] * n_mb
+    for r in sorted(range(len(row_patches)), key=lambda r: (-row_patches[r], r)):
+        open_mb = [b for b in range(n_mb) if len(batches[b]) < micro_batch_size]
+        b = min(open_mb, key=lambda b: (load[b], b))
+        batches[b].append(r)
+        load[b] += row_patches[r]
+    return [sorted(b) for b in batches]
+
+
+def merge(rows: list[list[EncodedSample]], cfg: PackingConfig, patch_dim: int) -> PackedBatch:
+    B, S = cfg.micro_batch_size, cfg.seq_len
+    k = max(1, max((len(r) for r in rows), default=1))
+    tokens = np.full((B, S), cfg.pad_id, dtype=np.int64)
+    labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
+    cu = np.zeros((B, k + 1), dtype=np.int32)
+    num = np.zeros(B, dtype=np.int32)
+    keys, sample_rows, pixels, grids, video_pixels, video_grids = [], [], [], [], [], []
+    for r, row in enumerate(rows):
+        pos = 0
+        for j, s in enumerate(row):
+            n = s.num_tokens
+            tokens[r, pos:pos + n] = s.input_ids
+            labels[r, pos:pos + n] = s.labels
+            pos += n
+            cu[r, j + 1] = pos
+            keys.append(f"{s.shard}/{s.key}")
+            sample_rows.append(r)
+            pixels.extend(s.pixel_blocks)
+            grids.append(s.image_grid_thw)
+            if len(s.video_grid_thw):
+                video_pixels.append(s.video_pixels)
+                video_grids.append(s.video_grid_thw)
+        cu[r, len(row) + 1:] = pos
+        num[r] = len(row)
+    return PackedBatch(
+        tokens=tokens, labels=labels, loss_mask=(labels != IGNORE_INDEX).astype(np.float32),
+        cu_seqlens=cu, num_samples=num,
+        pixels=np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), np.uint8),
+        image_grid_thw=np.concatenate(grids) if grids else np.zeros((0, 3), np.int64),
+        image_frame_hw=_frame_sizes([s for row in rows for s in row], patch_dim),
+        sample_keys=keys, sample_rows=np.asarray(sample_rows, dtype=np.int32),
+        sample_epochs=np.asarray([s.epoch for row in rows for s in row], dtype=np.int64),
+        sample_ordinals=np.asarray([s.ordinal for row in rows for s in row], dtype=np.int64),
+        video_pixels=np.concatenate(video_pixels) if video_pixels else np.zeros((0, patch_dim), np.uint8),
+        video_grid_thw=np.concatenate(video_grids) if video_grids else np.zeros((0, 3), np.int64))
+
+
+def _frame_sizes(samples: list[EncodedSample], patch_dim: int) -> np.ndarray | None:
+    """The samples' ``image_frame_hw`` in turn (an image at its grid's size has that size), or None
+    when all are."""
+    if all(s.image_frame_hw is None for s in samples):
+        return None
+    patch = math.isqrt(patch_dim // 3)  # patch_dim is 3 * P * P
+    return np.concatenate([s.image_frame_hw if s.image_frame_hw is not None
+                           else grid_hw(s.image_grid_thw, patch) for s in samples]).astype(np.int64)
+
+
+def plan_block(samples: list[EncodedSample], cfg: PackingConfig
+               ) -> tuple[list[EncodedSample], list[list[int]], list[EncodedSample]]:
+    """A block's samples -> (those that fit a row, their rows as indices into them, those too long)."""
+    fits = [s for s in samples if s.num_tokens <= cfg.seq_len]
+    too_long = [s for s in samples if s.num_tokens > cfg.seq_len]
+    rows = plan_rows([s.num_tokens for s in fits], cfg.seq_len) if cfg.pack else [[i] for i in range(len(fits))]
+    return fits, rows, too_long
+
+
+def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_size: int, seq_len: int = 0,
+                 min_fill: float = 0.0) -> tuple[list[list[int]], list[EncodedSample]]:
+    """Rows that fill whole micro-batches, and the samples of the rest, to be packed with the next
+    block's samples: the emptiest ``len(rows) % micro_batch_size`` rows, which would otherwise leave
+    row slots empty, and, where rows below ``min_fill`` of ``seq_len`` remain, the next
+    ``micro_batch_size`` emptiest (so at most ``2 x micro_batch_size - 1`` rows wait: data whose rows
+    cannot fill never stalls)."""
+    tokens = [sum(fits[i].num_tokens for i in row) for row in rows]
+    order = sorted(range(len(rows)), key=lambda r: (tokens[r], -r))
+    extra = len(rows) % micro_batch_size
+    if any(tokens[r] < min_fill * seq_len for r in order[extra:]):
+        extra += micro_batch_size
+    if not extra:
+        return rows, []
+    held = set(order[:extra])
+    return ([row for r, row in enumerate(rows) if r not in held],
+            [fits[i] for r in sorted(held) for i in rows[r]])
+
+
+def micro_batches(fits: list[EncodedSample], rows: list[list[int]], cfg: PackingConfig, patch_dim: int
+                  ) -> list[PackedBatch]:
+    row_patches = [sum(fits[i].vision_patches for i in row) for row in rows]  # images' and videos' patches
+    return [merge([[fits[i] for i in rows[r]] for r in mb], cfg, patch_dim)
+            for mb in plan_micro_batches(row_patches, cfg.micro_batch_size)]
+
+
+def pack(samples: list[EncodedSample], cfg: PackingConfig, patch_dim: int
+         ) -> tuple[list[PackedBatch], list[EncodedSample]]:
+    """All samples of one block -> micro-batches, plus the samples too long for a row."""
+    fits, rows, too_long = plan_block(samples, cfg)
+    return micro_batches(fits, rows, cfg, patch_dim), too_long
+
+
+def padding_efficiency(samples: list[EncodedSample], seq_len: int) -> float:
+    """Real-token fraction if every sample were padded to seq_len alone (the stock loaders' way)."""
+    fits = [s.num_tokens for s in samples if s.num_tokens <= seq_len]
+    return sum(fits) / max(1, len(fits) * seq_len)

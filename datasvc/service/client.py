@@ -1,0 +1,408 @@
+"""The per-rank end of the data service: an iterator of micro-batches for one trainer rank, and
+``DataService``, which starts the feeders in the driver and hands out these clients.
+
+A background thread keeps ``prefetch`` micro-batches in flight: it fetches refs from the rank's
+feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
+tensors (pinned and moved to the GPU when there is one) and expands uint8 pixel rows to float
+``pixel_values`` in patch order. ``save_state``/``restore_state`` give exact resume.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+
+import numpy as np
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
+
+from datasvc.batch import PackedBatch
+from datasvc.config import ServiceConfig
+from datasvc.media.vision import to_pixel_values
+from datasvc.read.blend import merge_source_stats
+from datasvc.read.shards import expand_shards
+from datasvc.registry import get_layout
+from datasvc.rejects import Accounting
+from datasvc.remainder import KEPT_EPOCHS, TrainedSamples
+from datasvc.service.cluster import head_address, unreachable_head
+from datasvc.service.feeder import DataServiceError, End, EndOfData, feeder_name, start_feeder
+from datasvc.service.locality import release_budgets, this_node
+
+
+class DataClient:
+    """A rank's micro-batches in order. ``output="torch"``: dicts of tensors on ``device`` with the
+    model's ``pixel_values`` (images the actors left unresized resized here, on that device);
+    ``"numpy"``: the ``PackedBatch`` itself, whose pixels ``vision.to_pixel_values(...,
+    frames_hw=batch.image_frame_hw)`` makes into ``pixel_values``."""
+
+    def __init__(self, cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed",
+                 device: str | None = None, output: str = "torch", pixel_dtype: str = "float32",
+                 start: dict | None = None):
+        """``start``: the saved state the service started this rank's feeder from
+        (``DataService(restore=...)``); the client takes the stream up there."""
+        if not 0 <= dp_rank < cfg.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {cfg.dp_size})")
+        if output not in ("torch", "numpy"):
+            raise ValueError("output must be 'torch' or 'numpy'")
+        self.cfg, self.dp_rank, self.consumer, self.run = cfg, dp_rank, consumer, run
+        self.device, self.output, self.pixel_dtype = device, output, pixel_dtype
+        self._spec = get_layout(cfg.pipeline, **cfg.pipeline_options).vision
+        self._next_step = 0
+        self._last_pos: dict | None = None
+        self._fetched_pos: dict | None = None
+        self._ahead: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._owned_feeder = None
+        self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
+        self._head = head_address()  # noted now: once the head is lost Ray may no longer say it
+        self.trained = TrainedSamples()  # every sample of the micro-batches returned, by epoch
+        self.wait_s = 0.0
+        self.transfer_s = 0.0
+        self.delivered = 0
+        if start:
+            self._take_up(start)
+
+    # ---- iterator ---------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._thread is None:
+            if self._halt.is_set():
+                raise DataServiceError(f"the client of dp_rank {self.dp_rank} was closed or its service shut down; "
+                                       "make a new client, or call restore_state to resume")
+            self._start()
+        t0 = time.perf_counter()
+        item = self._ahead.get()
+        self.wait_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        batch, pos, marks = item
+        self._last_pos = pos
+        self.trained.add(*marks)
+        self.delivered += 1
+        return batch
+
+    @property
+    def last_position(self) -> dict | None:
+        """Position (epoch, block, batch, step) of the micro-batch last returned."""
+        return self._last_pos
+
+    def halt(self) -> None:
+        """Stop fetching, at once and for good: a feeder that dies after this is not restarted."""
+        self._halt.set()
+
+    def close(self) -> None:
+        """Halt, wait for the fetch thread, and end the feeder this client started (on restore or
+        recovery), which would otherwise live, holding its actors' CPUs, as long as this object."""
+        self.halt()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._thread = None
+        if self._owned_feeder is not None:
+            ray.kill(self._owned_feeder)
+            self._owned_feeder = None
+
+    # ---- state ------------------------------------------------------------------------------
+    def save_state(self) -> dict:
+        """Where this rank stands: restoring continues with the micro-batch after the last one
+        returned by ``__next__`` (prefetched ones are fetched again)."""
+        return self._state_after(self._last_pos)
+
+    def restore_state(self, state: dict) -> None:
+        if state.get("dp_rank", self.dp_rank) != self.dp_rank:
+            raise DataServiceError(f"state belongs to dp_rank {state.get('dp_rank')}, not {self.dp_rank}")
+        if self._thread is None and not self._halt.is_set() and self._state_after(self._last_pos) == state:
+            return  # its feeder was started at this state (``start``) and nothing was fetched since
+        self.close()
+        self._halt.clear()
+        self._reopen_feeder(state)
+        self._take_up(state)
+
+    def _take_up(self, state: dict) -> None:
+        """Continue from ``state`` on a feeder already started there."""
+        self._next_step = state["step"]
+        self.trained = TrainedSamples.from_state(state.get("trained"))
+        before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
+                  "step": state["step"] - 1, "carry": state.get("carry", [])}
+        self._fetched_pos = self._last_pos = before
+
+    def _state_after(self, pos: dict | None) -> dict:
+        """The state that resumes right after the micro-batch at ``pos`` (None: from the start)."""
+        pos = pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
+        state = {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
+                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1,
+                 "carry": pos.get("carry", [])}
+        if self._dataset is None:
+            try:  # asked once per feeder; a feeder that is gone leaves the state without it
+                self._dataset = ray.get(self._feeder().stats.remote(), timeout=60).get("dataset")
+            except (RayActorError, ValueError, ray.exceptions.GetTimeoutError):
+                pass
+        if self._dataset is not None:
+            state["dataset"] = self._dataset
+        state["trained"] = self.trained.since(pos["epoch"] - KEPT_EPOCHS).to_state()
+        if self.cfg.remainder:  # the stream's origin goes with it, so the next resume rebuilds the same plan
+            state["remainder"] = self.cfg.remainder
+        return state
+
+    def _reopen_feeder(self, state: dict) -> None:
+        """Consumer 0 of a replica restarts the feeder at ``state``; the others wait for it."""
+        self._dataset = None  # the new feeder's plan (re-planned, with replan_on_dataset_change)
+        if self.consumer == 0:
+            self._restart_feeder(state)
+        else:
+            self._await_feeder({**{k: state[k] for k in ("epoch", "block", "batch", "step")},
+                                "carry": state.get("carry", [])})
+
+    def _restart_feeder(self, state: dict) -> None:
+        try:
+            old = ray.get_actor(feeder_name(self.run, self.dp_rank))
+            ray.kill(old)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the name frees once the actor is gone
+                try:
+                    ray.get_actor(feeder_name(self.run, self.dp_rank))
+                    time.sleep(0.1)
+                except ValueError:
+                    break
+        except ValueError:
+            pass
+        # Non-detached actors die with their last handle: this client owns the new feeder. It goes on
+        # this client's node (the old one's node may be the one that was lost).
+        self._owned_feeder = start_feeder(self.cfg, self.run, self.dp_rank, state, node=this_node())
+
+    def _await_feeder(self, start: dict) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                stats = ray.get(ray.get_actor(feeder_name(self.run, self.dp_rank)).stats.remote())
+                if stats["start"] == start:
+                    return
+            except (ValueError, RayActorError):
+                pass
+            time.sleep(0.2)
+        raise DataServiceError(f"feeder of dp_rank {self.dp_rank} was not restarted at {start}")
+
+    # ---- background fetch ---------------------------------------------------------------------
+    def _start(self) -> None:
+        self._ahead = queue.Queue(maxsize=max(1, self.cfg.prefetch))
+        self._node = this_node()  # told to the feeder, which counts the bytes that cross nodes
+        self._thread = threading.Thread(target=self._fetch_loop, name=f"client-{self.dp_rank}", daemon=True)
+        self._thread.start()
+
+    def _feeder(self):
+        return ray.get_actor(feeder_name(self.run, self.dp_rank))
+
+    def _fetch_loop(self) -> None:
+        step = self._next_step
+        try:
+            while not self._halt.is_set():
+                reply = self._fetch(step)
+                if isinstance(reply[0], End):
+                    end = reply[0]
+                    if end.error:
+                        raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {end.error}")
+                    raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
+                                    f"{end.steps} micro-batches; raise epochs or lower train_iters")
+                packed, pos = reply
+                marks = (packed.sample_epochs, packed.sample_ordinals)
+                t0 = time.perf_counter()
+                batch = self._materialize(packed)
+                self.transfer_s += time.perf_counter() - t0
+                del packed
+                self._fetched_pos = pos
+                step += 1
+                self._next_step = step
+                while not self._halt.is_set():
+                    try:
+                        self._ahead.put((batch, pos, marks), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:
+            if not self._halt.is_set():  # a halted client has no reader left to take it
+                self._ahead.put(self._named_cause(exc))
+
+    def _named_cause(self, exc: BaseException) -> BaseException:
+        """``exc``, or when the Ray head is gone, an error that says so and how to go on."""
+        if isinstance(exc, (EndOfData, KeyboardInterrupt)) or (head := unreachable_head(address=self._head)) is None:
+            return exc
+        error = DataServiceError(f"dp_rank {self.dp_rank}: the Ray head at {head} is unreachable, so the cluster "
+                                 f"is lost; start a new one and resume with restore_state() of the last "
+                                 f"save_state()")
+        error.__cause__ = exc
+        return error
+
+    def _fetch(self, step: int) -> list:
+        """``[PackedBatch, position]`` of ``step``, or ``[End]``. A micro-batch whose feeder died after
+        handing out its ref (with its node, say) is lost with it: the feeder restarts and makes it again."""
+        for attempt in range(3):
+            reply = self._call_next(step)
+            if isinstance(reply[0], End):
+                return reply
+            t0 = time.perf_counter()
+            try:
+                return [ray.get(reply[0]), reply[1]]
+            except ObjectLostError as exc:  # OwnerDiedError among them
+                if self._halt.is_set() or attempt == 2:
+                    raise DataServiceError(f"micro-batch {step} of dp_rank {self.dp_rank} was lost: {exc}") from exc
+                self._recover_feeder()
+            finally:
+                self.transfer_s += time.perf_counter() - t0
+        raise AssertionError("unreachable")
+
+    def _call_next(self, step: int) -> list:
+        for attempt in range(3):
+            try:
+                return ray.get(self._feeder().next_batch.remote(self.consumer, step, self._node))
+            except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
+                if self._halt.is_set():  # the service was shut down: the feeder is meant to be gone
+                    raise DataServiceError(f"client of dp_rank {self.dp_rank} was halted") from exc
+                if isinstance(exc, ValueError) and self._fetched_pos is None and self._owned_feeder is None:
+                    raise DataServiceError(no_feeder(self.run, self.dp_rank)) from None  # never had one
+                if attempt == 2:
+                    raise DataServiceError(f"feeder of dp_rank {self.dp_rank} is gone and could not be "
+                                           f"restarted: {exc}") from exc
+                self._recover_feeder()
+        raise AssertionError("unreachable")
+
+    def _recover_feeder(self) -> None:
+        """The feeder died: restart it at the micro-batch after the last one fetched."""
+        self._reopen_feeder(self._state_after(self._fetched_pos))
+
+    def _materialize(self, packed: PackedBatch):
+        if self.output == "numpy":
+            return packed
+        return batch_tensors(packed, self._spec, self.device, self.pixel_dtype)
+
+
+def no_feeder(run: str, dp_rank: int, waited_s: float | None = None) -> str:
+    namespace = ray.get_runtime_context().namespace
+    waited = f" after {waited_s:.0f} s" if waited_s else ""
+    return (f"no feeder for dp_rank {dp_rank} of run {run!r} in Ray namespace {namespace!r}{waited}: start "
+            f"DataService(cfg, run={run!r}) in one process of the job and keep it alive, and connect() every "
+            "process to the same cluster (RAY_ADDRESS) and namespace")
+
+
+def attach(cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed", wait_s: float = 120.0,
+           **kwargs) -> DataClient:
+    """The client of ``dp_rank`` in a process other than the one that started the service (a
+    ``torchrun`` rank): waits up to ``wait_s`` for the feeder that ``DataService(cfg, run=run)``
+    starts, then fails naming what to check. ``kwargs`` go to ``DataClient``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            ray.get_actor(feeder_name(run, dp_rank))
+            return DataClient(cfg, dp_rank, consumer, run=run, **kwargs)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise DataServiceError(no_feeder(run, dp_rank, wait_s)) from None
+            time.sleep(0.25)
+
+
+def batch_tensors(packed: PackedBatch, spec, device: str | None = None, pixel_dtype: str = "float32") -> dict:
+    """A micro-batch as the model takes it: torch tensors (pinned and moved to ``device`` when it is
+    a GPU) with ``pixel_values`` (and ``pixel_values_videos``) made from the uint8 rows. ``spec``:
+    the pipeline's vision spec, ``datasvc.registry.get_layout(cfg.pipeline, **cfg.pipeline_options).vision``."""
+    import torch
+
+    cuda = device is not None and str(device).startswith("cuda")
+
+    def tensor(a: np.ndarray):
+        t = torch.from_numpy(np.array(a, copy=True))  # object-store arrays are read-only
+        if cuda:
+            t = t.pin_memory().to(device, non_blocking=True)
+        return t
+
+    dtype = getattr(torch, pixel_dtype)
+    return {
+        "tokens": tensor(packed.tokens),
+        "labels": tensor(packed.labels),
+        "loss_mask": tensor(packed.loss_mask),
+        "cu_seqlens": tensor(packed.cu_seqlens),
+        "num_samples": tensor(packed.num_samples),
+        "pixel_values": to_pixel_values(tensor(packed.pixels), spec, packed.image_grid_thw, dtype=dtype,
+                                        frames_hw=packed.image_frame_hw),
+        "image_grid_thw": tensor(packed.image_grid_thw),
+        "sample_keys": list(packed.sample_keys),
+        "sample_epochs": [] if packed.sample_epochs is None else packed.sample_epochs.tolist(),
+        **_videos(packed, spec, tensor, dtype),
+    }
+
+
+def _videos(packed: PackedBatch, spec, tensor, dtype) -> dict:
+    """``pixel_values_videos`` and ``video_grid_thw`` when the micro-batch holds videos."""
+    if not len(packed.video_grid_thw):
+        return {}
+    from datasvc.media.video import to_video_pixel_values
+
+    return {"pixel_values_videos": to_video_pixel_values(tensor(packed.video_pixels), spec,
+                                                         packed.video_grid_thw, dtype=dtype),
+            "video_grid_thw": tensor(packed.video_grid_thw)}
+
+
+class DataService:
+    """Starts one feeder per DP rank (on ``nodes[rank]``, the node of the ranks it feeds, when given and
+    it fits there); hands out per-rank clients; aggregates stats."""
+
+    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None,
+                 nodes: dict[int, str] | None = None):
+        expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
+        try:  # fail fast, in the driver, on an unknown pipeline or option
+            get_layout(cfg.pipeline, **cfg.pipeline_options)
+        except TypeError as exc:
+            raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
+        self.cfg = cfg
+        self.run = run
+        self.restore = dict(restore or {})
+        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r), (nodes or {}).get(r))
+                        for r in range(cfg.dp_size)]
+        self._clients: weakref.WeakSet = weakref.WeakSet()
+
+    def client(self, dp_rank: int, consumer: int = 0, **kwargs) -> DataClient:
+        client = DataClient(self.cfg, dp_rank, consumer, run=self.run, start=self.restore.get(dp_rank), **kwargs)
+        self._clients.add(client)
+        return client
+
+    def stats(self) -> dict:
+        per_rank = ray.get([self._live_feeder(r).stats.remote() for r in range(self.cfg.dp_size)])
+        total = Accounting()
+        for s in per_rank:
+            a = s["accounting"]
+            total.read += a["read"]
+            total.delivered += a["delivered"]
+            total.quarantined.update(a["quarantined"])
+            total.skipped_by_rule.update(a["skipped_by_rule"])
+            total.ignored_members.update(a["ignored_members"])
+        moved = {k: sum(s[k] for s in per_rank) for k in ("bytes_same_node", "bytes_cross_node")}
+        # in_flight: read, not handed out yet (see producer.BlockProducer.stats)
+        in_flight = sum(s["accounting"].get("in_flight", 0) for s in per_rank)
+        sources = [s["sources"] for s in per_rank if "sources" in s]
+        by_source = {"sources": merge_source_stats(sources)} if sources else {}
+        return {"ranks": per_rank, "accounting": {**total.as_dict(), "in_flight": in_flight}, **by_source, **moved}
+
+    def _live_feeder(self, rank: int):
+        """The feeder of ``rank`` now (a client may have restarted it since this service started it)."""
+        try:
+            return ray.get_actor(feeder_name(self.run, rank))
+        except ValueError:
+            return self.feeders[rank]
+
+    def shutdown(self) -> None:
+        # Halt this service's clients first: a client whose call fails on a killed feeder would
+        # otherwise restart it, as it must after a crash, and the restarted feeder would outlive us.
+        clients = list(self._clients)
+        for c in clients:
+            c.halt()
+        for f in self.feeders:
+            try:
+                ray.get(f.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(f)
+        for c in clients:
+            c.close()
+        release_budgets(self.run)

@@ -1,0 +1,1 @@
+"""A rank's stream: work items through the stages, blocks produced, balanced and recovered."""
