@@ -207,3 +207,16 @@ def test_the_planner_keeps_deltanet_activations_apart_from_attention():
     assert moe.decoder_kept_bytes_per_token("full", []) == {"input": 2 * moe.hidden_size}
     selective = dense.decoder_kept_bytes_per_token("selective", ["mlp", "layernorm"])
     assert selective["mlp"] == selective["mlp_act"] == selective["layernorm"] == 0.0
+
+
+def test_a_gpu_job_without_the_deltanet_kernels_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from trainer.config import ModelConfig, TrainerConfig
+    from trainer.job import missing_gpu_packages
+
+    installed = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else installed(name, *a))
+    message = missing_gpu_packages(TrainerConfig(model=ModelConfig(pipeline="qwen35vl", preset="qwen35vl-35b-a3b")))
+    assert "flash-linear-attention" in message and "\n" not in message
+    assert missing_gpu_packages(TrainerConfig()) is None  # Qwen3-VL needs nothing beyond Megatron-Bridge

@@ -221,10 +221,8 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
         if cfg.checkpoint.export_hf_on_save and (cfg.parallel.strategy != "3d" or not cfg.model.hf_path):
             raise SystemExit("--export-hf-on-save on GPUs is Megatron-Bridge's own export, which needs --strategy 3d "
                              "(torch_dist checkpoints) and --hf-path (its template); or use --export-hf at the end")
-        if cfg.moe.dispatcher == "flex" and importlib.util.find_spec("deep_ep") is None:
-            raise SystemExit(f"--moe-dispatcher flex (--flex-backend {cfg.moe.flex_backend}) needs the deep_ep package "
-                             "(DeepEP, with HybridEP for hybridep) and expert parallelism over GPUs; install it, or "
-                             "use --moe-dispatcher alltoall")
+        if missing := missing_gpu_packages(cfg):
+            raise SystemExit(missing)
     else:
         p = cfg.parallel
         if (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
@@ -239,6 +237,21 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
     if cfg.train.gbs % (cfg.train.mbs * dp):
         raise SystemExit(f"--gbs {cfg.train.gbs} must be a multiple of mbs x dp = {cfg.train.mbs * dp}")
     return cfg, world
+
+
+def missing_gpu_packages(cfg: TrainerConfig) -> str | None:
+    """What a GPU job needs installed beyond Megatron-Bridge, in one line, or None: the pipeline's own
+    kernels (its ``megatron.GPU_PACKAGES``) and the flex dispatcher's DeepEP."""
+    from datasvc.registry import pipeline_part
+
+    for module, what in pipeline_part(cfg.model.pipeline, "megatron").GPU_PACKAGES.items():
+        if importlib.util.find_spec(module) is None:
+            return f"{cfg.model.pipeline} on GPUs needs {what}: pip install -e '.[train]'"
+    if cfg.moe.dispatcher == "flex" and importlib.util.find_spec("deep_ep") is None:
+        return (f"--moe-dispatcher flex (--flex-backend {cfg.moe.flex_backend}) needs the deep_ep package "
+                "(DeepEP, with HybridEP for hybridep) and expert parallelism over GPUs; install it, or "
+                "use --moe-dispatcher alltoall")
+    return None
 
 
 def check_cpus(args: argparse.Namespace, world: int, dp: int) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from pipelines.qwen35vl.arch import Qwen35VLArch
 from pipelines.qwen35vl.data import TOKENS, VIDEO_PAD
 
+# Modules a GPU run imports beyond Megatron-Bridge (module -> what to install), checked before any rank starts.
+GPU_PACKAGES = {"fla": "flash-linear-attention (the Gated DeltaNet kernels Megatron-Core calls)"}
+
 
 def hf_config(arch: Qwen35VLArch):
     """The Hugging Face ``Qwen3_5MoeConfig`` (or ``Qwen3_5Config`` for a dense size) of an architecture."""

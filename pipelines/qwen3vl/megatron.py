@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pipelines.qwen3vl.arch import Qwen3VLArch
 from pipelines.qwen3vl.data import TOKENS, VIDEO_PAD
+# Modules a GPU run imports beyond Megatron-Bridge (module -> what to install): none.
+GPU_PACKAGES: dict[str, str] = {}
+
 
 def hf_config(arch: Qwen3VLArch):
     """The Hugging Face ``Qwen3VLMoeConfig`` for an architecture, so random init goes through the same
