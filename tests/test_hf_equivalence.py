@@ -170,7 +170,7 @@ def test_pixel_rows_become_hf_pixel_values_on_numpy_and_torch():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_pixel_rows_become_the_same_pixel_values_on_cuda():
     """What every GPU rank runs on each micro-batch (``DataClient``): the CUDA path of
     ``to_pixel_values`` gives the CPU path's values (bfloat16 within one rounding step)."""
@@ -294,7 +294,7 @@ def test_frames_and_rows_mixed_become_the_same_pixel_values_on_numpy_and_torch()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_frames_left_to_the_rank_become_hf_pixel_values_on_cuda():
     """The client's path on a GPU rank under the default ``resize_on="rank"``: frames and finished
     rows in one micro-batch, resized with HF's own resize on the GPU, match the HF processor."""
@@ -372,7 +372,7 @@ def test_gif_bmp_tiff_match_hf(cpu_decoder, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
     """``--decode gpu``: nvJPEG decodes the stored frame, the header's orientation is applied after
@@ -388,7 +388,7 @@ def test_exif_orientation_matches_hf_on_the_gpu_decoder(orientation):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine: pytest -m gpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 def test_cut_jpeg_rejected_on_the_gpu_decoder():
     """nvJPEG fills a cut JPEG with gray; the header probe rejects it before either decoder sees it."""
     from datasvc.media.gpudecode import GpuDecoder

@@ -26,6 +26,7 @@ from datasvc.service.locality import NodeShare, near
 from datasvc.stream.balanced import BalancedProducer
 from datasvc.stream.producer import BlockProducer, DataServiceError, EndOfData, check_dataset  # noqa: F401  (errors)
 from datasvc.service.pool import ActorPool
+from datasvc.service.scaling import ScalePolicy
 from datasvc.stats import QueueStats
 
 log = logging.getLogger("vlmfeed.service")
@@ -65,6 +66,7 @@ class Feeder:
         self.producer_blocked_s = 0.0
         self._blocked_since: float | None = None
         self.decisions: list[dict] = []
+        self.scale_policy = ScalePolicy(cfg.min_actors, cfg.max_actors)
         self._stop = False
         self._stopping = threading.Event()  # wakes the autoscaler at once on shutdown
         self._thread = threading.Thread(target=self._produce, name=f"feeder-{rank}", daemon=True)
@@ -199,19 +201,20 @@ class Feeder:
         return self.consumer_wait_s + sum(time.perf_counter() - t for t in list(self._waiting.values()))
 
     def _autoscale(self, waited: float, blocked: float, interval: float) -> None:
-        n = self.pool.size
-        action, reason = None, ""
-        if waited > 0.1 * interval and n < self.cfg.max_actors and self.pool.place.take():
+        decision = self.scale_policy.decide(self.pool.size, waited, blocked, interval)
+        if decision is None:
+            return
+        action, reason = decision
+        if action == "up":
+            if not self.pool.place.take():  # the node's preprocessing budget is spent
+                return
             self.pool.grow()
-            action, reason = "up", f"consumers waited {waited:.2f}s of {interval:.2f}s for data"
-        elif blocked > 0.5 * interval and waited < 0.02 * interval and n > self.cfg.min_actors:
+        else:
             self.pool.shrink()
             self.pool.place.give()
-            action, reason = "down", f"producer blocked {blocked:.2f}s of {interval:.2f}s on a full queue"
-        if action:
-            d = {"time": time.time(), "action": action, "actors": self.pool.size, "reason": reason}
-            self.decisions.append(d)
-            log.info("rank %d autoscale %s -> %d actors: %s", self.rank, action, d["actors"], reason)
+        d = {"time": time.time(), "action": action, "actors": self.pool.size, "reason": reason}
+        self.decisions.append(d)
+        log.info("rank %d autoscale %s -> %d actors: %s", self.rank, action, d["actors"], reason)
 
 
 def feeder_name(run: str, rank: int) -> str:
