@@ -164,6 +164,22 @@ def test_video_options_reach_the_pipeline():
     assert data_cfg.pipeline_options["max_pixels"] == 256 * 256  # the CPU trainer's cap
 
 
+def test_megatron_knobs_on_the_cpu_path_are_refused_not_ignored():
+    import pytest
+
+    from trainer.job import trainer_config
+    from trainer.run import parse_args
+
+    args = parse_args(["qwen3vl", "--cuda-graph-scope", "moe_router", "--moe-dispatcher", "flex", "--mbs", "2"])
+    with pytest.raises(SystemExit) as stop:
+        trainer_config(args, "cpu", 0)
+    message = str(stop.value)
+    assert "--cuda-graph-scope --moe-dispatcher: Megatron-Bridge knobs" in message and "\n" not in message
+    assert "--mbs" not in message
+    cfg, _ = trainer_config(parse_args(["qwen3vl", "--padded", "--mbs", "2"]), "cpu", 0)  # data-side: kept
+    assert cfg.train.padded and cfg.train.mbs == 2
+
+
 def test_gpu_decode_shares_never_overcommit_a_gpu():
     import pytest
 

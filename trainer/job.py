@@ -201,6 +201,15 @@ def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
     return int(ray.cluster_resources().get("GPU", 0)), loopback
 
 
+# Flags of trainer.config that only the Megatron-Bridge backend reads: given on the CPU path, they would
+# change nothing, so they are refused there rather than ignored.
+MEGATRON_ONLY_FLAGS = frozenset({
+    "--strategy", "--vpp", "--etp", "--moe-dispatcher", "--flex-backend", "--moe-aux-loss-coeff", "--recompute",
+    "--recompute-modules", "--recompute-num-layers", "--cuda-graph-scope", "--cuda-graph-warmup-steps",
+    "--num-layers", "--num-experts", "--vision-depth", "--freeze-language-model", "--freeze-vision-model",
+    "--freeze-vision-projection", "--vision-chunk-patches", "--expandable-segments"})
+
+
 def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[TrainerConfig, int]:
     """The validated trainer config and the world size; ``--gbs`` defaults to MBS x DP."""
     from trainer.config import from_args
@@ -227,6 +236,9 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
         p = cfg.parallel
         if (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
             raise SystemExit("the CPU path is data-parallel only: drop --tp/--pp/--cp/--ep or use --backend megatron")
+        if unused := sorted(args._given & MEGATRON_ONLY_FLAGS):
+            raise SystemExit(f"{' '.join(unused)}: Megatron-Bridge knobs, which the CPU development path (a tiny model "
+                             "on gloo, no GPU here) does not use; drop them, or train on GPUs")
         from trainer.config import check_long_run
 
         if problems := check_long_run(cfg):
