@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from datasvc.pack.headers import encode_from_headers
+from datasvc.rejects import Accounting
 from datasvc.read.shards import NoShardsError, ReadLimits, expand_shards, index_shard, read_samples
 from datasvc.samples import encode_image, real_photos
 from datasvc.stream.process import process_item
@@ -288,6 +289,13 @@ def test_duplicate_members_and_repeated_keys(tmp_path, photo, qwen3vl, cpu_decod
     assert delivered == ["x", "x", "y"]
     assert res.accounting.noted["repeated_key"] == 1
     assert res.accounting.as_dict()["noted"] == {"repeated_key": 1}
+    # the service's total over ranks keeps what each rank noted
+    total = Accounting()
+    for _ in range(2):
+        total.merge(Accounting.from_dict(res.accounting.as_dict()))
+    one = res.accounting
+    assert total.noted == {"repeated_key": 2} and total.quarantined == {"duplicate_member": 2}
+    assert (total.read, total.delivered) == (2 * one.read, 2 * one.delivered)
 
 
 def test_importing_the_decoders_leaves_pils_limit_alone():

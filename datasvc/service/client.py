@@ -371,12 +371,7 @@ class DataService:
         per_rank = ray.get([self._live_feeder(r).stats.remote() for r in range(self.cfg.dp_size)])
         total = Accounting()
         for s in per_rank:
-            a = s["accounting"]
-            total.read += a["read"]
-            total.delivered += a["delivered"]
-            total.quarantined.update(a["quarantined"])
-            total.skipped_by_rule.update(a["skipped_by_rule"])
-            total.ignored_members.update(a["ignored_members"])
+            total.merge(Accounting.from_dict(s["accounting"]))
         moved = {k: sum(s[k] for s in per_rank) for k in ("bytes_same_node", "bytes_cross_node")}
         # in_flight: read, not handed out yet (see producer.BlockProducer.stats)
         in_flight = sum(s["accounting"].get("in_flight", 0) for s in per_rank)
