@@ -111,6 +111,7 @@ class RunControl:
 def start_run_control(name: str):
     import ray
 
+    # named: every rank and the driver find it by the run's name; num_cpus=0: it only holds a flag
     return ray.remote(num_cpus=0)(RunControl).options(name=name).remote()
 
 

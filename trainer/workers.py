@@ -94,6 +94,7 @@ class WorkerGroup:
         if use_gpu and not 0.5 < gpu_per_rank <= 1.0:
             raise ValueError(f"gpu_per_rank must be in (0.5, 1], not {gpu_per_rank}")
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpu_per_rank} if use_gpu else {})}
+        # PACK: ranks fill a node before the next, so NCCL groups stay on NVLink where they can
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         actors = [TrainerWorker.options(

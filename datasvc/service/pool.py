@@ -90,10 +90,10 @@ class ActorPool:
         return len(self.actors) + len(self.starting)
 
     def _new(self):
-        opts = {"num_cpus": self.cfg.decode_threads}
+        opts = {"num_cpus": self.cfg.decode_threads}  # one CPU slot per decode thread: Ray packs actors by real load
         if env := self.cfg.actor_env():  # read by glibc when the process starts: set per actor, not later
             opts["runtime_env"] = {"env_vars": env}
-        if self.cfg.decode == "gpu":
+        if self.cfg.decode == "gpu":  # a fraction: the actor shares its node's GPU with the trainer rank
             opts["num_gpus"] = self.cfg.decode_gpu_share
         return PreprocessActor.options(**opts, **near(getattr(self.place, "node", None))).remote(self.cfg)
 
