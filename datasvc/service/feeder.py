@@ -42,7 +42,7 @@ class End:
 
 # num_cpus=0: it only moves object refs, so it must not take a CPU slot from the preprocessing actors;
 # max_concurrency: its consumers (every TP/PP/CP rank of the replica) wait in next_batch() at once, beside
-# stats() and position calls, so one thread would serialize them
+# stats() and shutdown(), so one thread would serialize them
 @ray.remote(num_cpus=0, max_concurrency=64)
 class Feeder:
     """One data-parallel rank's stream: a ``BlockProducer`` over this feeder's pool, its micro-batches
