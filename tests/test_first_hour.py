@@ -30,6 +30,8 @@ MISTAKES = [
     (VLMFEED + ["profile", "nosuchfs://bucket/x.tar"], "cannot read nosuchfs:// URLs"),
     (VLMFEED + ["inspect", "empty", "--out", "o"], "empty (a directory with no .tar, .tar.gz, .tgz files)"),
     (VLMFEED + ["plan", "qwen3vl", "--mbs", "2", "--tpyo"], "unrecognized arguments: --tpyo"),
+    (VLMFEED + ["plan", "qwen3vl", "--gpus", "0"], "vlmfeed plan: error: argument --gpus: must be >= 1, not 0"),
+    (VLMFEED + ["plan", "qwen3vl", "--gpu-memory-gib", "0"], "argument --gpu-memory-gib: must be a number > 0, not 0"),
     (VLMFEED + ["bench", "nosuch"], "invalid choice: 'nosuch'"),
     (VLMFEED + ["samples", "--out", "data.csv"], "is a file; give a directory"),
     (VLMFEED + ["inpsect"], "unknown subcommand 'inpsect'; did you mean 'inspect'?"),

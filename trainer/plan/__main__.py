@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from datasvc.usage import HelpFormatter, UserError
+from datasvc.usage import HelpFormatter, UserError, positive_int
 from trainer.plan.memory import Workload
 
 
@@ -21,11 +21,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from trainer.config import add_cli_args
     from trainer.job import add_job_args
 
-    p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="vlmfeed plan", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("pipeline", help="model pipeline in pipelines/ (e.g. qwen3vl)")
     g = p.add_argument_group("machine and data")
-    g.add_argument("--gpus", type=int, default=None, help="GPUs of the job (default: --world-size, else 1)")
+    g.add_argument("--gpus", type=positive_int, default=None, help="GPUs of the job (default: --world-size, else 1)")
     d = Workload()
     g.add_argument("--image-share", type=float, default=d.image_share,
                    help="image tokens / real tokens at the fullest micro-batch (0 for text-only or mock data)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from datasvc.usage import positive_float
+
 log = logging.getLogger("vlmfeed.run")
 MODEL_FLAGS = ("--model-preset", "--num-layers", "--num-experts", "--vision-depth", "--hf-path")
 # Memory of the GPUs Ray names in its ``accelerator_type:<name>`` resource, GiB.
@@ -17,7 +19,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="auto: check the job against the GPUs' memory before any rank starts; with no model flag, "
                         "take the largest configuration that fits (full model, depth-faithful proxy, 4-layer "
                         "proxy); off: no check")
-    g.add_argument("--gpu-memory-gib", type=float, default=None,
+    g.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                    help="memory of one GPU (default: from the cluster's GPU type); with --world-size, the plan "
                         "is checked before Ray starts")
 
