@@ -28,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from datasvc.usage import HelpFormatter
+from datasvc.usage import HelpFormatter, positive_float, positive_int, positive_ints
 
 PRESETS = {"30B-A3B": "qwen3vl-30b-a3b", "235B-A22B": "qwen3vl-235b-a22b"}
 # Layouts tried in order; the first whose plan fits is taken (with its memory knobs).
@@ -167,17 +167,17 @@ def markdown(rows: list[dict], mfu: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.scale", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="profile.json from vlmfeed profile")
-    ap.add_argument("--gpus", default="8,64,512")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--cores-per-node", type=int, default=112, help="host cores of one node (H200 HGX: 2 x 56)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0)
-    ap.add_argument("--mfu", type=float, default=0.4)
-    ap.add_argument("--gpu-memory-gib", type=float, default=141.0)
+    ap.add_argument("--gpus", type=positive_ints, default=[8, 64, 512], help="cluster sizes, comma separated")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=8)
+    ap.add_argument("--cores-per-node", type=positive_int, default=112, help="host cores of one node (H200 HGX: 2 x 56)")
+    ap.add_argument("--peak-tflops", type=positive_float, default=989.0)
+    ap.add_argument("--mfu", type=positive_float, default=0.4)
+    ap.add_argument("--gpu-memory-gib", type=positive_float, default=141.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     with open(args.profile) as f:
         profile = json.load(f)
-    rows = scale_rows(profile, tuple(int(g) for g in args.gpus.split(",")), args.gpus_per_node,
+    rows = scale_rows(profile, tuple(args.gpus), args.gpus_per_node,
                       args.cores_per_node, args.peak_tflops, args.mfu, args.gpu_memory_gib)
     print(json.dumps(rows, indent=1) if args.json else markdown(rows, args.mfu))
     return 0

@@ -24,6 +24,7 @@ import os
 import sys
 
 from datasvc.tools.bench.provenance import stamp
+from datasvc.usage import positive_float, positive_int
 
 
 def _as_the_actors_allocate(wanted: bool) -> None:
@@ -58,14 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("decode", help="per-core decode / preprocess throughput, and packing efficiency")
     d.add_argument("--images", type=int, default=40, help="real-photo JPEGs to build (0.3-4 MP)")
     d.add_argument("--synth", type=int, default=0, help="also this many synthetic web-photos JPEGs")
-    d.add_argument("--max-pixels", type=int, default=16777216)
-    d.add_argument("--mp-range", type=float, nargs=2, default=(0.3, 4.0), metavar=("MIN", "MAX"),
+    d.add_argument("--max-pixels", type=positive_int, default=16777216)
+    d.add_argument("--mp-range", type=positive_float, nargs=2, default=(0.3, 4.0), metavar=("MIN", "MAX"),
                    help="megapixel range of the photo set")
-    d.add_argument("--min-pixels", type=int, default=65536)
-    d.add_argument("--repeats", type=int, default=5, help="passes per contender, taken in turns (best is kept)")
+    d.add_argument("--min-pixels", type=positive_int, default=65536)
+    d.add_argument("--repeats", type=positive_int, default=5, help="passes per contender, taken in turns (best is kept)")
     d.add_argument("--pack-synth", type=int, default=200,
                    help="synthetic web-photo samples added to the photo shards for packing (-1: no packing)")
-    d.add_argument("--pack-copies", type=int, default=2, help="copies of the real-photo shards for packing")
+    d.add_argument("--pack-copies", type=positive_int, default=2, help="copies of the real-photo shards for packing")
     d.add_argument("--skip-hf-pil", action="store_true", help="skip the slow PIL-backend HF processor")
     d.add_argument("--allocator", choices=("glibc", "actors"), default="glibc",
                    help="glibc allocator settings of the measuring process, for every contender: glibc's "
@@ -74,33 +75,33 @@ def _parser() -> argparse.ArgumentParser:
                         "on the 2-core VM")
     d.add_argument("--out", default="bench-decode.json", help="JSON; a PNG of the same name goes beside it")
     s = sub.add_parser("service", help="Ray-streamed throughput vs actors, and vs in-process")
-    s.add_argument("--max-actors", type=int, default=None, help="default: the CPU count")
-    s.add_argument("--samples", type=int, default=200)
-    s.add_argument("--seq-len", type=int, default=4096)
-    s.add_argument("--max-pixels", type=int, default=16777216)
-    s.add_argument("--samples-per-item", type=int, default=8)
-    s.add_argument("--epochs", type=int, default=2, help="epochs streamed per actor count (steady state)")
+    s.add_argument("--max-actors", type=positive_int, default=None, help="default: the CPU count")
+    s.add_argument("--samples", type=positive_int, default=200)
+    s.add_argument("--seq-len", type=positive_int, default=4096)
+    s.add_argument("--max-pixels", type=positive_int, default=16777216)
+    s.add_argument("--samples-per-item", type=positive_int, default=8)
+    s.add_argument("--epochs", type=positive_int, default=2, help="epochs streamed per actor count (steady state)")
     s.add_argument("--out", default="bench-service.json")
     k = sub.add_parser("soak", help="stream good and hostile shards for N minutes while killing actors")
-    k.add_argument("--minutes", type=float, default=10.0)
-    k.add_argument("--kill-every", type=float, default=20.0, help="seconds between injected faults")
+    k.add_argument("--minutes", type=positive_float, default=10.0)
+    k.add_argument("--kill-every", type=positive_float, default=20.0, help="seconds between injected faults")
     k.add_argument("--out", default="bench-soak.json")
     z = sub.add_parser("sizing", help="how close block sizing's tokens-per-sample estimate comes, per probe size")
     z.add_argument("shards", nargs="*", help="default: the real-large photo crops")
-    z.add_argument("--probe-samples", type=int, nargs="+", default=[64, 128, 256])
-    z.add_argument("--seeds", type=int, default=8)
-    z.add_argument("--mbs", type=int, default=8)
-    z.add_argument("--max-pixels", type=int, default=1048576)
+    z.add_argument("--probe-samples", type=positive_int, nargs="+", default=[64, 128, 256])
+    z.add_argument("--seeds", type=positive_int, default=8)
+    z.add_argument("--mbs", type=positive_int, default=8)
+    z.add_argument("--max-pixels", type=positive_int, default=1048576)
     z.add_argument("--out", default="bench-sizing.json")
     from datasvc.tools.bench.video import FORMATS, SIZES
 
     v = sub.add_parser("video", help="video decode frames/s per decoder on the same clips")
     v.add_argument("--formats", nargs="+", default=list(FORMATS), help="codec/extension of each clip")
     v.add_argument("--sizes", nargs="+", default=list(SIZES), help="WxH of each clip")
-    v.add_argument("--seconds", type=float, default=4.0)
-    v.add_argument("--fps", type=float, default=30.0)
-    v.add_argument("--gop-seconds", type=float, default=2.0, help="seconds between keyframes")
-    v.add_argument("--repeats", type=int, default=3, help="passes per contender and clip (best is kept)")
+    v.add_argument("--seconds", type=positive_float, default=4.0)
+    v.add_argument("--fps", type=positive_float, default=30.0)
+    v.add_argument("--gop-seconds", type=positive_float, default=2.0, help="seconds between keyframes")
+    v.add_argument("--repeats", type=positive_int, default=3, help="passes per contender and clip (best is kept)")
     v.add_argument("--out", default="bench-video.json")
     for name, (_, text) in OWN_OPTIONS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(OWN_OPTIONS[argv[0]][0]).main(argv[1:]) or 0)
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.cmd == "decode" and (args.images < 0 or args.synth < 0 or args.images + args.synth < 1):
+        ap.error("decode: --images and --synth must be >= 0, at least one photo in all")
     command = "vlmfeed bench " + " ".join(argv)
 
     if args.cmd == "soak":

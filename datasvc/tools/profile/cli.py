@@ -23,17 +23,9 @@ from datasvc.read.filters import add_filter_flags, filters_from_flags
 from datasvc.tools.profile.sweep import Settings, profile
 from datasvc.tools.profile.verdict import Demand
 from datasvc.training import add_data_flags
-from datasvc.usage import HelpFormatter
+from datasvc.usage import HelpFormatter, positive_float, positive_floats, positive_int, positive_ints
 
 MODES = ("compare", "synth-check")
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
 
 
 def _shards(spec: str) -> list[str]:
@@ -49,40 +41,40 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
     add_data_flags(ap, "--pipeline")
     # a GPU trainer's demand is what the profile judges, so its rows and pixel cap by default
     add_data_flags(ap, "--device", "--seq-len", "--max-pixels", "--min-pixels", "--decode", device="gpu")
-    ap.add_argument("--mbs", type=_ints, default=[1, 2, 4, 8], help="micro-batch sizes, comma separated")
+    ap.add_argument("--mbs", type=positive_ints, default=[1, 2, 4, 8], help="micro-batch sizes, comma separated")
     add_data_flags(ap, "--cpu-jpeg-decoder")
-    ap.add_argument("--actors", type=_ints, default=[1, 2], help="preprocessing actors per DP rank, comma separated")
-    ap.add_argument("--threads", type=int, default=1, help="decode threads (CPUs) per actor")
+    ap.add_argument("--actors", type=positive_ints, default=[1, 2], help="preprocessing actors per DP rank, comma separated")
+    ap.add_argument("--threads", type=positive_int, default=1, help="decode threads (CPUs) per actor")
     amount = ap.add_mutually_exclusive_group()
-    amount.add_argument("--samples", type=int, help="samples to measure per setting (after a warm-up block); default 256")
-    amount.add_argument("--seconds", type=float, help="seconds to measure per setting")
+    amount.add_argument("--samples", type=positive_int, help="samples to measure per setting (after a warm-up block); default 256")
+    amount.add_argument("--seconds", type=positive_float, help="seconds to measure per setting")
     add_data_flags(ap, "--video-fps", "--video-max-pixels")
-    ap.add_argument("--samples-per-item", type=int, default=16)
+    ap.add_argument("--samples-per-item", type=positive_int, default=16)
     blocks = ap.add_mutually_exclusive_group()
     add_data_flags(blocks, "--block-micro-batches", "--items-per-block")  # the window needs ~3 blocks of --samples
     add_data_flags(ap, "--chain-blocks")
-    ap.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
+    ap.add_argument("--num-cpus", type=positive_int, help="CPUs of the local Ray cluster (default: all)")
     add_data_flags(ap, "--blend")
     add_filter_flags(ap)
 
 
 def _demand_args(ap: argparse.ArgumentParser) -> None:
     dem = ap.add_mutually_exclusive_group()
-    dem.add_argument("--step-time", type=_floats,
+    dem.add_argument("--step-time", type=positive_floats,
                      help="trainer seconds per --grad-accum micro-batches of one DP rank (one value, or one per MBS)")
     dem.add_argument("--model", help="an architecture preset of the pipeline (e.g. qwen3vl-30b-a3b, "
                                      "qwen3vl-235b-a22b) or custom (with --custom-json)")
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--dp", type=int, help="data-parallel ranks among --gpus (default: --gpus, i.e. FSDP/pure DP)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak (H100/H200: 989)")
-    ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--grad-accum", type=positive_int, default=1)
+    ap.add_argument("--gpus", type=positive_int, default=8)
+    ap.add_argument("--dp", type=positive_int, help="data-parallel ranks among --gpus (default: --gpus, i.e. FSDP/pure DP)")
+    ap.add_argument("--peak-tflops", type=positive_float, default=989.0, help="per-GPU dense bf16 peak (H100/H200: 989)")
+    ap.add_argument("--mfu", type=positive_float, default=0.4)
     ap.add_argument("--custom-json", help="architecture fields as JSON for --model custom")
     ap.add_argument("--vision-frozen", action="store_true", help="vision tower not trained (forward FLOPs only)")
     ap.add_argument("--balance", choices=("on", "off"), default="off",
                     help="predict the straggler ratio over --dp ranks with each step's micro-batches dealt "
                          "by datasvc.pack.balance (on) or each rank keeping its own (off)")
-    ap.add_argument("--gbs", type=int, help="global batch (rows) a step, for the straggler ratio: each rank "
+    ap.add_argument("--gbs", type=positive_int, help="global batch (rows) a step, for the straggler ratio: each rank "
                                             "trains GBS / (DP x MBS) micro-batches (default: --grad-accum, else 8)")
     ap.add_argument("--out", default="profile-out", help="directory for profile.json and profile.png")
     ap.add_argument("--no-progress", action="store_true")
