@@ -32,6 +32,7 @@ MISTAKES = [
     (VLMFEED + ["plan", "qwen3vl", "--mbs", "2", "--tpyo"], "unrecognized arguments: --tpyo"),
     (VLMFEED + ["plan", "qwen3vl", "--gpus", "0"], "vlmfeed plan: error: argument --gpus: must be >= 1, not 0"),
     (VLMFEED + ["plan", "qwen3vl", "--gpu-memory-gib", "0"], "argument --gpu-memory-gib: must be a number > 0, not 0"),
+    (VLMFEED + ["synth", "--out", "o", "--samples", "0"], "--samples, --samples-per-shard and --processes must be >= 1"),
     (VLMFEED + ["bench", "nosuch"], "invalid choice: 'nosuch'"),
     (VLMFEED + ["bench", "decode", "--images", "0"], "at least one photo in all"),
     (VLMFEED + ["bench", "service", "--max-actors", "0"], "argument --max-actors: must be >= 1, not 0"),

@@ -71,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-report", action="store_true", help="skip re-reading the output for the summary table")
     args = ap.parse_args(argv)
-    if args.samples < 0 or args.samples_per_shard < 1 or args.seed < 0 or args.processes < 1:
-        ap.error("--samples and --seed must be >= 0, --samples-per-shard and --processes >= 1")
+    if args.samples < 1 or args.samples_per_shard < 1 or args.seed < 0 or args.processes < 1:
+        ap.error("--samples, --samples-per-shard and --processes must be >= 1, --seed >= 0")
 
     columns: dict[str, dict] = {}
     if args.calibrate_from:
