@@ -51,6 +51,11 @@ MISTAKES = [
     (TRAIN + ["--filter", "similarity=>0.3"], "is not FIELD OP VALUE"),
     (TRAIN + ["--video-fps", "nan"], "argument --video-fps: must be a number > 0, not nan"),
     (TRAIN + ["--shards", "/nope/x.tar"], "--shards: no shard files match /nope/x.tar"),
+    (TRAIN + ["--lr", "nan"], "argument --lr: must be a number > 0, not nan"),
+    (TRAIN + ["--tp", "0"], "argument --tp: must be >= 1, not 0"),
+    (TRAIN + ["--save-interval", "0"], "argument --save-interval: must be >= 1, not 0"),
+    (TRAIN + ["--out", "data.csv"], "--out data.csv: cannot make this directory"),
+    (TRAIN + ["--save", "data.csv/ckpt"], "--save data.csv/ckpt: cannot make this directory"),
     (TRAIN + ["--shards", "empty"], "a directory with no .tar"),
     (TRAIN + ["--valid-shards", "/nope/v.tar"], "--valid-shards: no shard files match /nope/v.tar"),
 ]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import fsspec
 
+from datasvc.usage import positive_float, positive_int
+
 log = logging.getLogger("vlmfeed.checkpoint")
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -77,19 +79,19 @@ def add_long_run_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpoints, evaluation and export")
     g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (a shared path; s3:// on the CPU "
                    "path); also on SIGTERM and at the end")
-    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: end and exit only)")
+    g.add_argument("--save-interval", type=positive_int, default=None, help="steps between checkpoints (default: end and exit only)")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from the newest checkpoint in DIR (none there: "
                    "start afresh), also at another data-parallel size")
-    g.add_argument("--keep-last", type=int, default=None, help="checkpoints kept, newest first (default: all)")
-    g.add_argument("--exit-interval", type=int, default=None, help="save and stop once the step is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and stop after this many minutes")
+    g.add_argument("--keep-last", type=positive_int, default=None, help="checkpoints kept, newest first (default: all)")
+    g.add_argument("--exit-interval", type=positive_int, default=None, help="save and stop once the step is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=positive_float, default=None, help="save and stop after this many minutes")
     g.add_argument("--export-hf", default=None, metavar="DIR", help="write a Hugging Face checkpoint of the trained "
                    "model here at the end")
     g.add_argument("--export-hf-on-save", action="store_true", help="also write a Hugging Face checkpoint into "
                    "each checkpoint (DIR/iter_N/hf; on GPUs: --strategy 3d with --hf-path, Bridge's own export)")
-    g.add_argument("--eval-interval", type=int, default=None, help="steps between validation passes over "
+    g.add_argument("--eval-interval", type=positive_int, default=None, help="steps between validation passes over "
                    "--valid-shards (default: none)")
-    g.add_argument("--eval-iters", type=int, default=EvalConfig().eval_iters,
+    g.add_argument("--eval-iters", type=positive_int, default=EvalConfig().eval_iters,
                    help="global batches per validation pass (default: %(default)s)")
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from datasvc.training import DEVICE_DEFAULTS, add_data_flags
-from datasvc.usage import UserError, positive_int
+from datasvc.usage import UserError, positive_float, positive_int
 from datasvc.registry import pipeline_part
 from trainer.checkpoint import CheckpointingConfig, EvalConfig, add_long_run_args, check_long_run
 
@@ -386,9 +386,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--strategy", choices=["fsdp", "3d"], default=d.parallel.strategy)
     for name in ("tp", "pp", "cp", "ep"):
-        g.add_argument(f"--{name}", type=int, default=getattr(d.parallel, name))
-    g.add_argument("--vpp", type=int, default=None)
-    g.add_argument("--etp", type=int, default=None)
+        g.add_argument(f"--{name}", type=positive_int, default=getattr(d.parallel, name))
+    g.add_argument("--vpp", type=positive_int, default=None)
+    g.add_argument("--etp", type=positive_int, default=None)
 
     g = parser.add_argument_group("moe")
     g.add_argument("--moe-dispatcher", choices=["alltoall", "flex"], default=d.moe.dispatcher)
@@ -408,14 +408,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--gbs", type=positive_int, default=d.train.gbs, help="global batch rows")
     add_data_flags(g, "--seq-len")
     g.add_argument("--train-iters", type=positive_int, default=d.train.train_iters)
-    g.add_argument("--lr", type=float, default=d.train.lr)
+    g.add_argument("--lr", type=positive_float, default=d.train.lr)
     g.add_argument("--min-lr", type=float, default=d.train.min_lr)
     g.add_argument("--warmup-iters", type=int, default=d.train.warmup_iters)
     g.add_argument("--weight-decay", type=float, default=d.train.weight_decay)
     g.add_argument("--clip-grad", type=float, default=d.train.clip_grad)
     _bool_flag(g, "--bf16", True, "bf16 mixed precision (--no-bf16: fp32)")
     g.add_argument("--seed", type=int, default=d.train.seed)
-    g.add_argument("--log-interval", type=int, default=d.train.log_interval)
+    g.add_argument("--log-interval", type=positive_int, default=d.train.log_interval)
     _bool_flag(g, "--padded", False, "stock Megatron-Bridge qwen3_vl_step on padded rows (comparison)")
     _bool_flag(g, "--expandable-segments", False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every "
                "rank (less fragmentation at large MBS)")

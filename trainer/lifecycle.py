@@ -36,6 +36,14 @@ def resolve_outputs(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} {path} is relative, so under `ray job submit` it would land in "
                              "Ray's temporary copy of the package and be deleted with the cluster; give an absolute "
                              "path on shared storage (or an s3:// URL)")
+        if flag != "load" and path and "://" not in path:
+            try:  # made now, so that a path the run could never write stops it before Ray starts
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise SystemExit(f"--{flag.replace('_', '-')} {path}: cannot make this directory ({exc.strerror}); "
+                                 "give a directory you can create and write to") from None
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise SystemExit(f"--{flag.replace('_', '-')} {path}: not writable; give a directory you can write to")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from datasvc.usage import UserError
+
 
 class ImageRejected(ValueError):
     """An image that can never become model input; ``reason`` is a stable counter key."""
@@ -26,6 +28,10 @@ class ImageRejected(ValueError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+class InvalidVision(ValueError, UserError):
+    """Pixel bounds that cannot hold an image (a user's setting, answered in one line)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,9 +52,10 @@ class VisionSpec:
 
     def __post_init__(self):
         if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels}: lower min_pixels")
+            raise InvalidVision(f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels}: lower --min-pixels "
+                                "or raise --max-pixels")
         if self.max_pixels < self.factor**2:
-            raise ValueError(f"max_pixels must be at least {self.factor**2} (one merge window)")
+            raise InvalidVision(f"max_pixels must be at least {self.factor**2} (one merge window)")
 
     @property
     def factor(self) -> int:
