@@ -35,18 +35,19 @@ def positive_float(text: str) -> float:
 
 def positive_ints(text: str) -> list[int]:
     """An argparse type for a comma list of counts (``--mbs 1,2,4``)."""
-    parts = [p for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"{text!r} holds no number")
-    return [positive_int(p.strip()) for p in parts]
+    return _comma_list(text, positive_int)
 
 
 def positive_floats(text: str) -> list[float]:
     """An argparse type for a comma list of rates or times."""
-    parts = [p for p in text.split(",") if p.strip()]
+    return _comma_list(text, positive_float)
+
+
+def _comma_list(text: str, item) -> list:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError(f"{text!r} holds no number")
-    return [positive_float(p.strip()) for p in parts]
+    return [item(p) for p in parts]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
