@@ -10,6 +10,9 @@ The public API (everything else in ``datasvc`` is internal and may change)::
     for batch in service.client(dp_rank):            # dicts of torch tensors, see batch_tensors
         ...
 
+``service.stats()`` is a ``ServiceStats``: every rank's report (accounting of each sample read,
+time per stage, queue, actors) and their totals; ``.as_dict()`` gives its JSON form.
+
 Without Ray, ``BlockProducer(cfg, dp_rank).micro_batches()`` yields the same ``PackedBatch``es in
 this process (``batch_tensors`` makes them into tensors). In another process of the same job
 (a torchrun rank), ``attach(cfg, dp_rank, run=...)`` takes the stream of a service started elsewhere.
@@ -26,6 +29,7 @@ _EXPORTS = {
     "training_config": "datasvc.training",
     "DataService": "datasvc.service.client",
     "DataClient": "datasvc.service.client",
+    "ServiceStats": "datasvc.service.client",
     "attach": "datasvc.service.client",
     "batch_tensors": "datasvc.service.client",
     "BlockProducer": "datasvc.stream.producer",

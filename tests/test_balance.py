@@ -339,9 +339,9 @@ def test_balanced_stream_resumes_exactly_and_reports_its_straggler_ratio(mixed_s
     cfg = stream_config(mixed_shards)
     full = BalancedProducer(cfg, 1)
     reference = [b.sample_keys for b, _ in full.micro_batches()]
-    stats = full.stats()["balance"]
-    assert stats["steps"] == len(reference) // 2
-    assert stats["straggler_ratio"] <= stats["straggler_ratio_unbalanced"]
+    stats = full.stats().balance
+    assert stats.steps == len(reference) // 2
+    assert stats.straggler_ratio <= stats.straggler_ratio_unbalanced
     for cut in (2, 3):  # a step boundary and the middle of a step
         again = BalancedProducer(cfg, 1, start={"step": cut})
         assert [b.sample_keys for b, _ in again.micro_batches()] == reference[cut:]
@@ -384,13 +384,13 @@ def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_
         threads = [threading.Thread(target=lambda k=k: seen.__setitem__(k, drain(clients[k]))) for k in clients]
         [t.start() for t in threads]
         [t.join(timeout=300) for t in threads]
-        ranks = svc.stats()["ranks"]
+        ranks = svc.stats().ranks
     finally:
         svc.shutdown()
     for rank in ranks:
-        b = rank["balance"]
-        assert b["steps"] >= 2 and b["straggler_ratio"] <= b["straggler_ratio_unbalanced"]
-        assert rank["accounting"]["delivered"] == sum(len(k) for k in expected[rank["rank"]])
+        b = rank.stream.balance
+        assert b.steps >= 2 and b.straggler_ratio <= b.straggler_ratio_unbalanced
+        assert rank.stream.accounting.delivered == sum(len(k) for k in expected[rank.stream.rank])
     got = {r: seen[(r, 0)] for r in range(2)}
     assert all(seen[(r, 1)] == got[r] for r in range(2))
     assert got == expected and all(len(v) >= 4 for v in got.values())

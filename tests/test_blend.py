@@ -138,10 +138,10 @@ def test_a_blended_stream_resumes_exactly_and_counts_by_source(two_sources):
     whole = [(b.sample_keys, p) for b, p in first.micro_batches()]
     per_source = Counter("pairs" if "/pairs/" in k else "photos" for keys, _ in whole for k in keys)
     assert per_source["pairs"] and per_source["photos"] > per_source["pairs"]
-    stats = first.stats()["sources"]  # the producer's own per-source accounting
-    assert {name: d["delivered"] for name, d in stats.items()} == dict(per_source)
-    assert sum(d["read"] for d in stats.values()) == first.stats()["accounting"]["read"]
-    assert {name: d["weight"] for name, d in stats.items()} == {"photos": 0.75, "pairs": 0.25}
+    stats = first.stats()  # the producer's own per-source accounting
+    assert {name: a.delivered for name, a in stats.sources.counts.items()} == dict(per_source)
+    assert sum(a.read for a in stats.sources.counts.values()) == stats.accounting.read
+    assert stats.sources.weights == {"photos": 0.75, "pairs": 0.25}
     cut = len(whole) // 2
     producer = BlockProducer(cfg)
     it = producer.micro_batches()
@@ -161,7 +161,7 @@ def test_per_source_accounting(two_sources, tmp_path):
     import sys
 
     from datasvc.pack.plan import EpochPlan
-    from datasvc.read.blend import SourceCounts, merge_source_stats
+    from datasvc.read.blend import SourceCounts
     from datasvc.samples import real_photos
     from datasvc.stream.process import ItemProcessor
 
@@ -179,10 +179,12 @@ def test_per_source_accounting(two_sources, tmp_path):
         counts.add_item(item, res)
         counts.add_delivered([f"{s.shard}/{s.key}" for s in res.samples])
         read[plan.blend.source_of(item)] = read.get(plan.blend.source_of(item), 0) + len(item.samples)
-    got = counts.as_dict()
+    got = counts.totals().as_dict()
     assert {name: d["read"] for name, d in got.items() if d["read"]} == read
     assert got["laion"]["read"] > 8  # half the weight, an eighth of the items: its samples repeat
     assert 0 < got["laion"]["skipped_by_rule"]["filter:similarity>=0.28"] < got["laion"]["read"]
     for d in got.values():
         assert d["read"] == d["delivered"] + sum(d["quarantined"].values()) + sum(d["skipped_by_rule"].values())
-    assert merge_source_stats([got, got])["photos"]["delivered"] == 2 * got["photos"]["delivered"]
+    twice = counts.totals()
+    twice.merge(counts.totals())
+    assert twice.as_dict()["photos"]["delivered"] == 2 * got["photos"]["delivered"]

@@ -88,7 +88,7 @@ def test_rank_zero_owns_the_service_and_bridge_gets_the_stream(mb, photo_shards,
         ray.get_actor(feeder_name("plugin-test", 0))  # started by rank 0, named for the run
         release = [cb for cb in feed.callbacks() if type(cb).__name__ == "ReleaseService"]
         release[0].on_train_end(None)
-        assert feed.provider.owner.service is None and feed.provider.owner.data_stats["accounting"]["delivered"] > 0
+        assert feed.provider.owner.service is None and feed.provider.owner.data_stats.accounting.delivered > 0
         with pytest.raises(ValueError):
             ray.get_actor(feeder_name("plugin-test", 0))
     finally:

@@ -74,7 +74,7 @@ def test_preprocess_process_killed_by_signal(photo_shards, ray_local):
             os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
         got += drain(c)
         assert keys_of(got) == expected(photo_shards)
-        assert ray.get(svc.feeders[0].stats.remote())["actors_replaced"] >= 1
+        assert ray.get(svc.feeders[0].stats.remote()).actors_replaced >= 1
     finally:
         svc.shutdown()
 

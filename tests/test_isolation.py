@@ -77,11 +77,11 @@ def run(config):
 
 
 def balanced(acct):
-    return acct["read"] == acct["delivered"] + sum(acct["quarantined"].values()) + sum(acct["skipped_by_rule"].values())
+    return acct.balanced()
 
 
 def rejected(stats):
-    return {r["key"]: r["reason"] for rank in stats["ranks"] for r in rank["rejections"]}
+    return {r.key: r.reason for rank in stats.ranks for r in rank.stream.accounting.log}
 
 
 # ---- decisions, without Ray ----------------------------------------------------------------------
@@ -140,8 +140,8 @@ def test_failure_budget_stops_the_run_naming_the_top_reasons(tmp_path, photos):
     # The defaults are generous: this shard streams, its bad samples counted.
     producer = BlockProducer(cfg([shard]))
     delivered = sum(len(b.sample_keys) for b, _ in producer.micro_batches())
-    acct = producer.stats()["accounting"]
-    assert delivered == 2 and acct["quarantined"] == {"undecodable_image": 6} and balanced(acct)
+    acct = producer.stats().accounting
+    assert delivered == 2 and acct.quarantined == {"undecodable_image": 6} and balanced(acct)
     with pytest.raises(ValueError, match="max_rejection_rate must be in"):
         cfg([shard], max_rejection_rate=0)
 
@@ -153,8 +153,8 @@ def test_an_item_that_raises_is_redone_sample_by_sample(tmp_path, photos, ray_lo
     got, stats = run(cfg([shard], fault_injection={"raise_on_key": victim}))
     assert got == Counter({f"{shard}/k{i}": 1 for i in range(8) if i != 2})
     assert rejected(stats) == {"k2": "worker_error"}
-    assert "injected failure" in stats["ranks"][0]["rejections"][0]["detail"]
-    assert balanced(stats["accounting"]) and stats["ranks"][0]["items_split"] == 1
+    assert "injected failure" in stats.ranks[0].stream.accounting.log[0].detail
+    assert balanced(stats.accounting) and stats.ranks[0].items_split == 1
 
 
 def test_samples_that_kill_their_actor_are_quarantined_and_the_stream_goes_on(tmp_path, photos, ray_local):
@@ -168,8 +168,8 @@ def test_samples_that_kill_their_actor_are_quarantined_and_the_stream_goes_on(tm
     got, stats = run(cfg([shard], samples_per_item=2, fault_injection=faults))
     assert got == Counter({f"{shard}/k{i}": 1 for i in range(8) if i not in (1, 5)})
     assert rejected(stats) == {"k1": "worker_died", "k5": "worker_died"}
-    assert balanced(stats["accounting"])
-    assert stats["ranks"][0]["actors_replaced"] >= 4
+    assert balanced(stats.accounting)
+    assert stats.ranks[0].actors_replaced >= 4
 
 
 def test_decoding_stays_under_the_budget_within_a_real_memory_limit(tmp_path, photos, ray_local):
@@ -183,8 +183,8 @@ def test_decoding_stays_under_the_budget_within_a_real_memory_limit(tmp_path, ph
     got, stats = run(cfg([shard], decoded_bytes_budget=200 * MiB, **limited))
     assert got == Counter({f"{shard}/{k}": 1 for k in ("big0", "big1", "big2", "big3", "small")})
     assert rejected(stats) == {"huge": "sample_too_large"}
-    assert "> decoded_bytes_budget 200 MiB" in stats["ranks"][0]["rejections"][0]["detail"]
-    assert stats["ranks"][0]["actors_replaced"] == 0 and balanced(stats["accounting"])
+    assert "> decoded_bytes_budget 200 MiB" in stats.ranks[0].stream.accounting.log[0].detail
+    assert stats.ranks[0].actors_replaced == 0 and balanced(stats.accounting)
 
     got, stats = run(cfg([shard], **limited))  # the default budget (2 GiB) is beyond this actor's limit
-    assert stats["ranks"][0]["actors_replaced"] >= 1 and balanced(stats["accounting"])
+    assert stats.ranks[0].actors_replaced >= 1 and balanced(stats.accounting)

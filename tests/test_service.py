@@ -72,8 +72,7 @@ def test_dp_replicas_identical_and_disjoint(photo_shards, service, chain_blocks)
     keys1 = Counter(k for b in got[(1, 0)] for k in b.sample_keys)
     assert not set(keys0) & set(keys1)
     assert keys0 + keys1 == expected_keys(photo_shards)
-    acct = svc.stats()["accounting"]
-    assert acct["read"] == acct["delivered"] + sum(acct["quarantined"].values()) + sum(acct["skipped_by_rule"].values())
+    assert svc.stats().accounting.balanced()
 
 
 def test_deterministic_and_exact_resume(photo_shards, service):
@@ -111,9 +110,9 @@ def test_killed_preprocessing_actor_loses_nothing(photo_shards, service):
     keys = Counter(k for b in batches for k in b.sample_keys)
     assert keys == expected_keys(photo_shards)
     stats = ray.get(feeder.stats.remote())
-    assert stats["actors_replaced"] >= 1
-    a = stats["accounting"]
-    assert a["read"] >= a["delivered"] == sum(keys.values())
+    assert stats.actors_replaced >= 1
+    a = stats.stream.accounting
+    assert a.read >= a.delivered == sum(keys.values())
 
 
 def test_stalled_consumer_keeps_memory_bounded(photo_shards, service):
@@ -125,11 +124,11 @@ def test_stalled_consumer_keeps_memory_bounded(photo_shards, service):
     s1 = ray.get(svc.feeders[0].stats.remote())
     time.sleep(2)
     s2 = ray.get(svc.feeders[0].stats.remote())
-    assert s1["queue_depth"] <= 2 and s2["queue_depth"] <= 2
-    assert s2["bytes_ahead"] <= 1 << 20
+    assert s1.queue_depth <= 2 and s2.queue_depth <= 2
+    assert s2.bytes_ahead <= 1 << 20
     # Production stopped: nothing more was read while the consumer stalled.
-    assert s2["accounting"]["read"] == s1["accounting"]["read"]
-    assert s2["producer_blocked_s"] > s1["producer_blocked_s"]
+    assert s2.stream.accounting.read == s1.stream.accounting.read
+    assert s2.producer_blocked_s > s1.producer_blocked_s
     more = [next(c) for _ in range(30)]  # and it goes on after the stall
     assert len(more) == 30
 
@@ -142,11 +141,11 @@ def test_autoscaler_grows_when_starved_and_shrinks_when_blocked(photo_shards, se
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         next(c)
-        if any(d["action"] == "up" for d in ray.get(svc.feeders[0].stats.remote())["autoscale_decisions"]):
+        if any(d["action"] == "up" for d in ray.get(svc.feeders[0].stats.remote()).autoscale_decisions):
             break
     deadline = time.monotonic() + 30  # stalled consumer: the producer blocks on a full queue
     while time.monotonic() < deadline:
-        decisions = ray.get(svc.feeders[0].stats.remote())["autoscale_decisions"]
+        decisions = ray.get(svc.feeders[0].stats.remote()).autoscale_decisions
         actions = [d["action"] for d in decisions]
         if "up" in actions and "down" in actions[actions.index("up"):]:
             break

@@ -39,8 +39,8 @@ def test_the_plan_from_the_index_is_the_plan_from_headers(mixed_shards, tmp_path
     first = BalancedProducer(indexed, 0)
     same([(b.sample_keys, b.tokens.copy(), b.image_grid_thw.copy(), p) for b, p in first.micro_batches()],
          stream(plain, 0))
-    built = first.stats()["balance"]["sizes_index"]
-    assert built["built"] == len(mixed_shards) and built["loaded"] == 0
+    built = first.stats().balance
+    assert built.sizes_built == len(mixed_shards) and built.sizes_loaded == 0
     entries = os.listdir(tmp_path / "sizes")  # per shard: its sizes and its tar listing
     assert len(entries) == 2 * len(mixed_shards)
     assert len([e for e in entries if e.endswith(".listing.json")]) == len(mixed_shards)
@@ -59,7 +59,7 @@ def test_the_plan_from_the_index_is_the_plan_from_headers(mixed_shards, tmp_path
     second = BalancedProducer(indexed, 1)
     same([(b.sample_keys, b.tokens.copy(), b.image_grid_thw.copy(), p) for b, p in second.micro_batches()],
          reference)
-    assert second.stats()["balance"]["sizes_index"] == {"built": 0, "loaded": len(mixed_shards)}
+    assert (second.stats().balance.sizes_built, second.stats().balance.sizes_loaded) == (0, len(mixed_shards))
 
 
 def test_hostile_shards_keep_every_rejection_and_reason(tmp_path):
@@ -118,7 +118,7 @@ def test_vlmfeed_sizes_fills_the_index_a_balanced_job_reads(mixed_shards, tmp_pa
     cfg = dataclasses.replace(stream_config(mixed_shards), sizes_index=str(out))
     producer = BalancedProducer(cfg, 0)
     assert len(list(producer.micro_batches())) > 0
-    assert producer.stats()["balance"]["sizes_index"] == {"built": 0, "loaded": len(mixed_shards)}
+    assert (producer.stats().balance.sizes_built, producer.stats().balance.sizes_loaded) == (0, len(mixed_shards))
 
 
 def test_a_kept_listing_is_the_tar_scan_and_is_dropped_when_the_shard_changes(tmp_path, caplog):

@@ -66,6 +66,7 @@ def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceCon
     At the DP size it was saved at, every rank continues its own stream exactly; at another, what was
     left of the epoch is dealt over the new ranks (``datasvc.remainder``)."""
     from datasvc.remainder import remainder_after
+    from datasvc.stream.loaderstate import LoaderState
     from datasvc.stream.producer import DataServiceError, check_dataset
     from trainer.checkpoint import read_saved_run
 
@@ -79,12 +80,12 @@ def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceCon
         raise SystemExit(f"the checkpoint in {load} is at step {saved.step}, which --train-iters "
                          f"{cfg.train.train_iters} has reached; raise --train-iters to train on")
     try:
-        check_dataset(data_cfg, next(iter(saved.loader.values())).get("dataset"))
+        check_dataset(data_cfg, LoaderState.from_dict(next(iter(saved.loader.values()))).dataset)
     except DataServiceError as exc:
         raise SystemExit(str(exc)) from None
     if saved.dp_size == data_cfg.dp_size:
         data_cfg = dataclasses.replace(data_cfg, remainder=saved.remainder)
-        if any(st.get("fingerprint") != data_cfg.fingerprint() for st in saved.loader.values()):
+        if any(LoaderState.from_dict(st).fingerprint != data_cfg.fingerprint() for st in saved.loader.values()):
             raise SystemExit(f"the checkpoint in {load} was trained on other data settings (shards, seed, --seq-len, "
                              "--mbs, --max-pixels, blocks, --balance-dp...); resume with the settings it was saved with")
         return data_cfg, Resume(load, saved.step, saved.dp_size, saved.loader, redealt=False)

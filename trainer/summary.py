@@ -10,7 +10,9 @@ def steady_window(records: list[dict]) -> list[dict]:
     return records[max(2, len(records) // 5):] or records
 
 
-def summarize(records: list[dict], data_stats: dict, backend: str, world: int, wall_s: float) -> dict:
+def summarize(records: list[dict], data_stats, backend: str, world: int, wall_s: float) -> dict:
+    """``data_stats``: the service's ``ServiceStats`` (None when it could not be read)."""
+    data = data_stats.as_dict() if data_stats is not None else {}
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     k = max(1, len(losses) // 5)
     steady = steady_window(records)
@@ -43,7 +45,7 @@ def summarize(records: list[dict], data_stats: dict, backend: str, world: int, w
         "last_step": records[-1]["step"] if records else None,
         "exit_reason": records[-1].get("exit_reason") if records else None,
         "peak_mem_gib": rnd(max((r.get("peak_mem_gib") or 0 for r in records), default=None), 2),
-        "data_accounting": data_stats.get("accounting", {}),
-        "autoscale_decisions": [d for r in data_stats.get("ranks", []) for d in r.get("autoscale_decisions", [])],
-        "data": data_stats,
+        "data_accounting": data.get("accounting", {}),
+        "autoscale_decisions": [d for r in data_stats.ranks for d in r.autoscale_decisions] if data_stats else [],
+        "data": data,
     }

@@ -261,23 +261,31 @@ class SourceCounts:
                     self.counts[source].delivered += 1
                     break
 
+    def totals(self) -> "SourceTotals":
+        """A copy of the counts, without the blend (what a rank's stats carry)."""
+        import copy
+
+        return SourceTotals(dict(self.weights), copy.deepcopy(self.counts))
+
+
+@dataclass(slots=True)
+class SourceTotals:
+    """Per blend source: its weight and its ``Accounting``; ranks add up with ``merge``."""
+
+    weights: dict
+    counts: dict
+
+    def merge(self, other: "SourceTotals") -> None:
+        from datasvc.rejects import Accounting
+
+        for name, acct in other.counts.items():
+            self.weights.setdefault(name, other.weights[name])
+            self.counts.setdefault(name, Accounting(max_log=0)).merge(acct)
+
     def as_dict(self) -> dict:
-        return {name: {"weight": self.weights[name], **acct.as_dict()} for name, acct in self.counts.items()}
-
-
-def merge_source_stats(per_rank: list[dict]) -> dict:
-    """``SourceCounts.as_dict()`` of several ranks, added up (what a run summary reports)."""
-    out: dict = {}
-    for stats in per_rank:
-        for name, d in stats.items():
-            t = out.setdefault(name, {"weight": d["weight"], "read": 0, "delivered": 0, "quarantined": {},
-                                      "skipped_by_rule": {}})
-            t["read"] += d["read"]
-            t["delivered"] += d["delivered"]
-            for kind in ("quarantined", "skipped_by_rule"):
-                for reason, n in d[kind].items():
-                    t[kind][reason] = t[kind].get(reason, 0) + n
-    return out
+        keep = ("read", "delivered", "quarantined", "skipped_by_rule")
+        return {name: {"weight": self.weights[name], **{k: v for k, v in acct.as_dict().items() if k in keep}}
+                for name, acct in self.counts.items()}
 
 
 def blended_items(spec: str, items: list, seed: int, dp_size: int) -> BlendedItems:

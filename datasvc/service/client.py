@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -20,14 +21,16 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostErro
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
 from datasvc.media.vision import to_pixel_values
-from datasvc.read.blend import merge_source_stats
+from datasvc.pack.plan import Position
 from datasvc.read.shards import expand_shards
 from datasvc.registry import get_layout
 from datasvc.rejects import Accounting
 from datasvc.remainder import KEPT_EPOCHS, TrainedSamples
 from datasvc.service.cluster import head_address, unreachable_head
-from datasvc.service.feeder import DataServiceError, End, EndOfData, feeder_name, start_feeder
+from datasvc.service.feeder import DataServiceError, End, EndOfData, FeederStats, feeder_name, start_feeder
 from datasvc.service.locality import release_budgets, this_node
+from datasvc.stream.loaderstate import LoaderState
+from datasvc.stream.rankstats import StreamTotals
 
 
 class DataClient:
@@ -38,7 +41,7 @@ class DataClient:
 
     def __init__(self, cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed",
                  device: str | None = None, output: str = "torch", pixel_dtype: str = "float32",
-                 start: dict | None = None):
+                 start: LoaderState | dict | None = None):
         """``start``: the saved state the service started this rank's feeder from
         (``DataService(restore=...)``); the client takes the stream up there."""
         if not 0 <= dp_rank < cfg.dp_size:
@@ -62,7 +65,7 @@ class DataClient:
         self.transfer_s = 0.0
         self.delivered = 0
         if start:
-            self._take_up(start)
+            self._take_up(start if isinstance(start, LoaderState) else LoaderState.from_dict(start))
 
     # ---- iterator ---------------------------------------------------------------------------
     def __iter__(self):
@@ -108,56 +111,51 @@ class DataClient:
 
     # ---- state ------------------------------------------------------------------------------
     def save_state(self) -> dict:
-        """Where this rank stands: restoring continues with the micro-batch after the last one
-        returned by ``__next__`` (prefetched ones are fetched again)."""
-        return self._state_after(self._last_pos)
+        """Where this rank stands, in the form a checkpoint stores (``LoaderState.as_dict``): restoring
+        continues with the micro-batch after the last one returned by ``__next__`` (prefetched ones are
+        fetched again)."""
+        return self._state_after(self._last_pos).as_dict()
 
-    def restore_state(self, state: dict) -> None:
-        if state.get("dp_rank", self.dp_rank) != self.dp_rank:
-            raise DataServiceError(f"state belongs to dp_rank {state.get('dp_rank')}, not {self.dp_rank}")
-        if self._thread is None and not self._halt.is_set() and self._state_after(self._last_pos) == state:
+    def restore_state(self, state: dict | LoaderState) -> None:
+        state = state if isinstance(state, LoaderState) else LoaderState.from_dict(state)
+        if state.dp_rank not in (-1, self.dp_rank):
+            raise DataServiceError(f"state belongs to dp_rank {state.dp_rank}, not {self.dp_rank}")
+        if (self._thread is None and not self._halt.is_set()
+                and self._state_after(self._last_pos).as_dict() == state.as_dict()):
             return  # its feeder was started at this state (``start``) and nothing was fetched since
         self.close()
         self._halt.clear()
         self._reopen_feeder(state)
         self._take_up(state)
 
-    def _take_up(self, state: dict) -> None:
+    def _take_up(self, state: LoaderState) -> None:
         """Continue from ``state`` on a feeder already started there."""
-        self._next_step = state["step"]
-        self.trained = TrainedSamples.from_state(state.get("trained"))
-        before = {"epoch": state["epoch"], "block": state["block"], "batch": state["batch"] - 1,
-                  "step": state["step"] - 1, "carry": state.get("carry", [])}
-        self._fetched_pos = self._last_pos = before
+        self._next_step = state.position.step
+        self.trained = state.trained
+        self._fetched_pos = self._last_pos = state.last_delivered
 
-    def _state_after(self, pos: dict | None) -> dict:
+    def _state_after(self, pos: dict | None) -> LoaderState:
         """The state that resumes right after the micro-batch at ``pos`` (None: from the start)."""
         pos = pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
-        state = {"fingerprint": self.cfg.fingerprint(), "dp_rank": self.dp_rank, "epoch": pos["epoch"],
-                 "block": pos["block"], "batch": pos["batch"] + 1, "step": pos["step"] + 1,
-                 "carry": pos.get("carry", [])}
         if self._dataset is None:
             try:  # asked once per feeder; a feeder that is gone leaves the state without it
-                self._dataset = ray.get(self._feeder().stats.remote(), timeout=60).get("dataset")
+                self._dataset = ray.get(self._feeder().stats.remote(), timeout=60).dataset
             except (RayActorError, ValueError, ray.exceptions.GetTimeoutError):
                 pass
-        if self._dataset is not None:
-            state["dataset"] = self._dataset
-        state["trained"] = self.trained.since(pos["epoch"] - KEPT_EPOCHS).to_state()
-        if self.cfg.remainder:  # the stream's origin goes with it, so the next resume rebuilds the same plan
-            state["remainder"] = self.cfg.remainder
-        return state
+        after = Position(pos["epoch"], pos["block"], pos["batch"] + 1, pos["step"] + 1, tuple(pos.get("carry", ())))
+        # the stream's origin goes with it, so the next resume rebuilds the same plan
+        return LoaderState(self.cfg.fingerprint(), self.dp_rank, after, self.trained.since(pos["epoch"] - KEPT_EPOCHS),
+                           self._dataset, self.cfg.remainder or None)
 
-    def _reopen_feeder(self, state: dict) -> None:
+    def _reopen_feeder(self, state: LoaderState) -> None:
         """Consumer 0 of a replica restarts the feeder at ``state``; the others wait for it."""
         self._dataset = None  # the new feeder's plan (re-planned, with replan_on_dataset_change)
         if self.consumer == 0:
             self._restart_feeder(state)
         else:
-            self._await_feeder({**{k: state[k] for k in ("epoch", "block", "batch", "step")},
-                                "carry": state.get("carry", [])})
+            self._await_feeder(state.position)
 
-    def _restart_feeder(self, state: dict) -> None:
+    def _restart_feeder(self, state: LoaderState) -> None:
         try:
             old = ray.get_actor(feeder_name(self.run, self.dp_rank))
             ray.kill(old)
@@ -174,12 +172,12 @@ class DataClient:
         # this client's node (the old one's node may be the one that was lost).
         self._owned_feeder = start_feeder(self.cfg, self.run, self.dp_rank, state, node=this_node())
 
-    def _await_feeder(self, start: dict) -> None:
+    def _await_feeder(self, start: Position) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
                 stats = ray.get(ray.get_actor(feeder_name(self.run, self.dp_rank)).stats.remote())
-                if stats["start"] == start:
+                if stats.stream.start == start:
                     return
             except (ValueError, RayActorError):
                 pass
@@ -344,11 +342,35 @@ def _videos(packed: PackedBatch, spec, tensor, dtype) -> dict:
             "video_grid_thw": tensor(packed.video_grid_thw)}
 
 
+@dataclass(slots=True)
+class ServiceStats:
+    """Every rank's ``FeederStats`` and their totals; ``as_dict()`` is what a run summary writes."""
+
+    ranks: list[FeederStats]
+
+    def totals(self) -> StreamTotals:
+        totals = StreamTotals()
+        for r in self.ranks:
+            totals.add(r.stream)
+        return totals
+
+    @property
+    def accounting(self) -> Accounting:
+        return self.totals().accounting
+
+    def as_dict(self) -> dict:
+        totals = self.totals()
+        moved = {k: sum(r.placement[k] for r in self.ranks) for k in ("bytes_same_node", "bytes_cross_node")}
+        return {"ranks": [r.as_dict() for r in self.ranks],
+                "accounting": {**totals.accounting.as_dict(), "in_flight": totals.in_flight},
+                **({"sources": totals.sources.as_dict()} if totals.sources else {}), **moved}
+
+
 class DataService:
     """Starts one feeder per DP rank (on ``nodes[rank]``, the node of the ranks it feeds, when given and
     it fits there); hands out per-rank clients; aggregates stats."""
 
-    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict] | None = None,
+    def __init__(self, cfg: ServiceConfig, run: str = "vlmfeed", restore: dict[int, dict | LoaderState] | None = None,
                  nodes: dict[int, str] | None = None):
         expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
         try:  # fail fast, in the driver, on an unknown pipeline or option
@@ -357,8 +379,10 @@ class DataService:
             raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
         self.cfg = cfg
         self.run = run
-        self.restore = dict(restore or {})
-        self.feeders = [start_feeder(cfg, run, r, (restore or {}).get(r), (nodes or {}).get(r))
+        # saved states arrive in their checkpoint form (``DataClient.save_state``)
+        self.restore = {r: st if isinstance(st, LoaderState) else LoaderState.from_dict(st)
+                        for r, st in (restore or {}).items()}
+        self.feeders = [start_feeder(cfg, run, r, self.restore.get(r), (nodes or {}).get(r))
                         for r in range(cfg.dp_size)]
         self._clients: weakref.WeakSet = weakref.WeakSet()
 
@@ -367,17 +391,8 @@ class DataService:
         self._clients.add(client)
         return client
 
-    def stats(self) -> dict:
-        per_rank = ray.get([self._live_feeder(r).stats.remote() for r in range(self.cfg.dp_size)])
-        total = Accounting()
-        for s in per_rank:
-            total.merge(Accounting.from_dict(s["accounting"]))
-        moved = {k: sum(s[k] for s in per_rank) for k in ("bytes_same_node", "bytes_cross_node")}
-        # in_flight: read, not handed out yet (see producer.BlockProducer.stats)
-        in_flight = sum(s["accounting"].get("in_flight", 0) for s in per_rank)
-        sources = [s["sources"] for s in per_rank if "sources" in s]
-        by_source = {"sources": merge_source_stats(sources)} if sources else {}
-        return {"ranks": per_rank, "accounting": {**total.as_dict(), "in_flight": in_flight}, **by_source, **moved}
+    def stats(self) -> ServiceStats:
+        return ServiceStats(ray.get([self._live_feeder(r).stats.remote() for r in range(self.cfg.dp_size)]))
 
     def _live_feeder(self, rank: int):
         """The feeder of ``rank`` now (a client may have restarted it since this service started it)."""

@@ -28,6 +28,8 @@ from datasvc.stream.producer import BlockProducer, DataServiceError, EndOfData, 
 from datasvc.service.pool import ActorPool
 from datasvc.service.scaling import ScalePolicy
 from datasvc.stats import QueueStats
+from datasvc.stream.loaderstate import LoaderState
+from datasvc.stream.rankstats import RankStats
 
 log = logging.getLogger("vlmfeed.service")
 
@@ -40,6 +42,37 @@ class End:
     steps: int = 0
 
 
+@dataclass(slots=True)
+class FeederStats:
+    """A feeder's report: its rank's stream (``RankStats``) with the queue ahead of the consumers and
+    the actor pool behind it. ``as_dict()`` is the JSON form (the stream's keys at the top level)."""
+
+    stream: RankStats
+    queue_depth: int
+    queue: dict  # QueueStats.as_dict(): occupancy and full rates
+    bytes_ahead: int
+    actors: int
+    actors_starting: int
+    actors_replaced: int
+    items_split: int
+    items_in_flight: int
+    consumer_wait_s: float
+    producer_blocked_s: float
+    autoscale_decisions: list[dict]
+    placement: dict  # NodeShare.as_dict(): bytes handed out on and off the node, the node's budget
+    dataset: dict  # the shard files planned over (what a saved state is checked against)
+    done: bool
+    error: str
+
+    def as_dict(self) -> dict:
+        return {**self.stream.as_dict(), "queue_depth": self.queue_depth, "queue": self.queue,
+                "bytes_ahead": self.bytes_ahead, "actors": self.actors, "actors_starting": self.actors_starting,
+                "actors_replaced": self.actors_replaced, "items_split": self.items_split,
+                "items_in_flight": self.items_in_flight, "consumer_wait_s": self.consumer_wait_s,
+                "producer_blocked_s": self.producer_blocked_s, "autoscale_decisions": self.autoscale_decisions,
+                **self.placement, "dataset": self.dataset, "done": self.done, "error": self.error}
+
+
 # num_cpus=0: it only moves object refs, so it must not take a CPU slot from the preprocessing actors;
 # max_concurrency: its consumers (every TP/PP/CP rank of the replica) wait in next_batch() at once, beside
 # stats() and shutdown(), so one thread would serialize them
@@ -48,7 +81,7 @@ class Feeder:
     """One data-parallel rank's stream: a ``BlockProducer`` over this feeder's pool, its micro-batches
     put in the object store and held, bounded, until every consumer of the replica took them."""
 
-    def __init__(self, cfg: ServiceConfig, rank: int, start: dict | None = None, run: str = "vlmfeed"):
+    def __init__(self, cfg: ServiceConfig, rank: int, start: Position | None = None, run: str = "vlmfeed"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.cfg, self.rank = cfg, rank
         self.pool = ActorPool(cfg, rank, NodeShare(run, rank, cfg))  # its actors beside it, within the node's budget
@@ -103,27 +136,18 @@ class Feeder:
                 self.cond.notify_all()
             return [ref, pos.as_dict()]
 
-    def stats(self) -> dict:
+    def stats(self) -> FeederStats:
         """The producer's stats (accounting, stages, tokens) with this feeder's queue and pool."""
-        produced = self.producer.stats()
+        stream = self.producer.stats()
         with self.cond:
-            return {
-                **produced,
-                "queue_depth": len(self.queue),
-                "queue": self.queue_stats.as_dict(),
-                "bytes_ahead": self.bytes_ahead,
-                "actors": self.pool.size,
-                "actors_starting": len(self.pool.starting),
-                "actors_replaced": self.pool.replaced,
-                "items_split": self.pool.recovery.splits,
-                "items_in_flight": len(self.pool.in_flight),
-                "consumer_wait_s": round(self.consumer_wait_s, 3),
-                "producer_blocked_s": round(self._blocked_total(), 3),
-                "autoscale_decisions": list(self.decisions), **self.pool.place.as_dict(),
-                "dataset": self.producer.plan.dataset,
-                "done": self.end is not None,
-                "error": self.end.error if self.end else "",
-            }
+            return FeederStats(
+                stream=stream, queue_depth=len(self.queue), queue=self.queue_stats.as_dict(),
+                bytes_ahead=self.bytes_ahead, actors=self.pool.size, actors_starting=len(self.pool.starting),
+                actors_replaced=self.pool.replaced, items_split=self.pool.recovery.splits,
+                items_in_flight=len(self.pool.in_flight), consumer_wait_s=round(self.consumer_wait_s, 3),
+                producer_blocked_s=round(self._blocked_total(), 3), autoscale_decisions=list(self.decisions),
+                placement=self.pool.place.as_dict(), dataset=self.producer.plan.dataset,
+                done=self.end is not None, error=self.end.error if self.end else "")
 
     def actor_handles(self) -> list:
         """The live preprocessing actors (for fault-injection tests and tools)."""
@@ -194,11 +218,11 @@ class Feeder:
 
     def _log_progress(self) -> None:
         s = self.producer.stats()
-        a = s["accounting"]
+        a = s.accounting
         log.info("rank %d: %d micro-batches, read %d delivered %d quarantined %d, queue %d, actors %d, "
-                 "consumer wait %.1fs, producer blocked %.1fs, stages %s", self.rank, s["micro_batches"], a["read"],
-                 a["delivered"], sum(a["quarantined"].values()), len(self.queue), self.pool.size,
-                 self._waited_total(), self._blocked_total(), {k: v["seconds"] for k, v in s["stages"].items()})
+                 "consumer wait %.1fs, producer blocked %.1fs, stages %s", self.rank, s.stream.micro_batches, a.read,
+                 a.delivered, a.n_quarantined, len(self.queue), self.pool.size,
+                 self._waited_total(), self._blocked_total(), dict(s.stages.seconds.items()))
 
     def _waited_total(self) -> float:
         return self.consumer_wait_s + sum(time.perf_counter() - t for t in list(self._waiting.values()))
@@ -224,15 +248,14 @@ def feeder_name(run: str, rank: int) -> str:
     return f"{run}-feeder-{rank}"
 
 
-def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: dict | None = None, node: str | None = None):
+def start_feeder(cfg: ServiceConfig, run: str, rank: int, state: LoaderState | None = None, node: str | None = None):
     """The feeder of ``rank``, named for ``run``, on ``node`` if it fits; from a saved loader state if given."""
-    start = None
     if state:
-        if state.get("fingerprint") != cfg.fingerprint():
+        if state.fingerprint != cfg.fingerprint():
             raise DataServiceError("saved loader state was made with a different data config (shards, seed, "
                                    "seq_len, MBS, dp_size, items_per_block, blocks_span_epochs, chain_blocks, "
                                    "...); restore with the same one")
-        check_dataset(cfg, state.get("dataset"))
-        start = {**{k: state[k] for k in ("epoch", "block", "batch", "step")}, "carry": state.get("carry", [])}
+        check_dataset(cfg, state.dataset)
+    start = state.position if state else None
     return Feeder.options(name=feeder_name(run, rank), **near(node, True)).remote(cfg, rank, start, run)  # num_cpus=0
 

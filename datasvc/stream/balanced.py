@@ -37,6 +37,7 @@ from datasvc.pack.sizes import HeaderProcessor, SizesIndex
 from datasvc.rejects import Accounting
 from datasvc.stats import StageTimes, StreamStats
 from datasvc.stream.producer import BlockProducer, InlineRunner
+from datasvc.stream.rankstats import BalanceStats, RankStats
 from datasvc.wire import ItemResult, WorkItem
 
 
@@ -123,7 +124,7 @@ class BalancedProducer:
         for p in self.planners:
             p.stop()
 
-    def stats(self) -> dict:
+    def stats(self) -> RankStats:
         with self._lock:
             ratios = np.asarray(self.ratios).reshape(-1, 2)
             own = self.planners[self.rank].acct  # header-time rejections of this rank's own items
@@ -131,17 +132,14 @@ class BalancedProducer:
             acct.merge(own)
             acct.merge(self.acct)
             acct.read, acct.delivered = own.read, self.acct.delivered  # the planner "delivers" every plan
-            return {
-                "rank": self.rank, "start": self.start.as_dict(), "position": self._next.as_dict(),
-                "accounting": acct.as_dict(), "stages": self.times.as_dict(), **self.stream.as_dict(),
-                "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
-                               for r in acct.log[-50:]],
-                "balance": {"steps": len(ratios), "model": self.model.name, "cost_model": self.model.source,
-                            "sizes_index": {"built": self.sizes.built, "loaded": self.sizes.loaded}
-                            if self.sizes else None,
-                            "straggler_ratio": float(ratios[:, 1].mean()) if len(ratios) else None,
-                            "straggler_ratio_unbalanced": float(ratios[:, 0].mean()) if len(ratios) else None},
-            }
+            balance = BalanceStats(
+                steps=len(ratios), model=self.model.name, cost_model=self.model.source,
+                sizes_built=self.sizes.built if self.sizes else None,
+                sizes_loaded=self.sizes.loaded if self.sizes else None,
+                straggler_ratio=float(ratios[:, 1].mean()) if len(ratios) else None,
+                straggler_ratio_unbalanced=float(ratios[:, 0].mean()) if len(ratios) else None)
+            return RankStats.snapshot(self.rank, self.start, self._next, acct, 0, self.times, self.stream,
+                                      balance=balance)
 
     # ---- plan and deal ---------------------------------------------------------------------------
     def _steps(self):

@@ -14,10 +14,10 @@ inspect, the benches and the soak run it in this process.
 - ``micro_batches()`` yields ``(PackedBatch, Position)``; ``blocks()`` / ``next_block()`` give
   whole packed ``Block``s instead. Use one of them per producer: they share the stream.
 - ``position()``: where a restore would continue (the micro-batch after the last one handed out).
-- ``stats()``: a dict with the same keys as the feeder's stats (less its queue and pool). Its
-  ``accounting`` holds ``in_flight``: samples read and packed but not handed out yet (the rest of
-  the block being handed out, and the rows its chain holds for the next block), so that at any
-  moment read == delivered + quarantined + skipped_by_rule + in_flight.
+- ``stats()``: a ``RankStats`` (what the feeder's stats wrap with its queue and pool). Its
+  ``in_flight`` counts samples read and packed but not handed out yet (the rest of the block being
+  handed out, and the rows its chain holds for the next block), so that at any moment
+  ``accounting.balanced(in_flight)``: read == delivered + quarantined + skipped_by_rule + in_flight.
 
 Errors no retry can fix (a rank with no work, an epoch whose every sample was rejected, a failure
 budget spent) raise ``DataServiceError`` from the iterator.
@@ -38,6 +38,7 @@ from datasvc.read.blend import SourceCounts
 from datasvc.read.shards import expand_shards
 from datasvc.rejects import RULE_PREFIX, RULE_REASONS, Accounting
 from datasvc.stats import StageTimes, StreamStats
+from datasvc.stream.rankstats import RankStats
 from datasvc.wire import ItemResult, WorkItem
 
 
@@ -235,19 +236,10 @@ class BlockProducer:
         """End the stream at the next item boundary (from any thread)."""
         self._stop = True
 
-    def stats(self) -> dict:
+    def stats(self) -> RankStats:
         with self._lock:
-            return {
-                "rank": self.rank,
-                "start": self.start.as_dict(),
-                "position": self._next.as_dict(),
-                "accounting": {**self.acct.as_dict(), "in_flight": self._in_flight()},
-                **({"sources": self.sources.as_dict()} if self.sources else {}),
-                "stages": self.times.as_dict(),
-                **self.stream.as_dict(),
-                "rejections": [{"shard": r.shard, "key": r.key, "reason": r.reason, "detail": r.detail}
-                               for r in self.acct.log[-50:]],
-            }
+            return RankStats.snapshot(self.rank, self.start, self._next, self.acct, self._in_flight(), self.times,
+                                      self.stream, self.sources.totals() if self.sources else None)
 
     def _in_flight(self) -> int:
         return self._unsent + len(self._held) + self._packing

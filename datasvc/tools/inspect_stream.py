@@ -37,7 +37,7 @@ def write_stream(cfg, config, recorder: SampleRecorder, files, progress) -> dict
             stopped = True
             break
     too_long = recorder.mark_too_long(cfg.seq_len)
-    accounting = producer.stats()["accounting"]
+    accounting = producer.stats().as_dict()["accounting"]
     shard_order = {p: i for i, p in enumerate(cfg.shards)}
     not_delivered = sorted((r for r in recorder.rows.values() if r["status"] != "ok"),
                            key=lambda r: (shard_order.get(r["shard"], len(shard_order)), r["index"], r["key"]))

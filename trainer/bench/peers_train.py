@@ -161,7 +161,7 @@ def train_one(args, setting, work_dir: str) -> dict:
             service.shutdown()
     records = next((r for r, _ in results if r), [])
     samples = sum(n for _, n in results) // max(1, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
-    summary = summarize(records, {}, "megatron", world, time.time() - t0)
+    summary = summarize(records, None, "megatron", world, time.time() - t0)
     for key in ("data", "data_accounting", "autoscale_decisions"):
         summary.pop(key, None)
     steady = steady_window(records)

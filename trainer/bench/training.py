@@ -62,7 +62,7 @@ def partial_summary(metrics_path: str, wall_s: float) -> dict:
         records = [json.loads(line) for line in f if line.strip()]
     if not records:
         return {}
-    s = summarize(records, {}, "megatron", 0, wall_s)
+    s = summarize(records, None, "megatron", 0, wall_s)
     for key in ("data", "world_size", "backend", "data_accounting", "autoscale_decisions"):
         s.pop(key)
     return {**s, "partial": True}

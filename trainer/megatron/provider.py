@@ -56,7 +56,7 @@ class ServiceOwner:
         self._run = run
         self.service = None  # rank 0's DataService
         self.client = None
-        self.data_stats: dict = {}  # the service's accounting, read by rank 0 before it shuts down
+        self.data_stats = None  # the service's ServiceStats, read by rank 0 before it shuts down
 
     @property
     def run(self) -> str:

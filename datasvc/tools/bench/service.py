@@ -45,8 +45,8 @@ def run_in_process(cfg) -> dict:
             batches += 1
             samples += len(batch.sample_keys)
     secs = time.perf_counter() - t0
-    images = sum(p.stats()["images"] for p in producers)
-    mp = sum(p.stats()["megapixels"] for p in producers)
+    images = sum(p.stats().stream.images for p in producers)
+    mp = sum(p.stats().stream.megapixels for p in producers)
     return {"seconds": round(secs, 3), "samples": samples, "images": images, "megapixels": round(mp, 2),
             "micro_batches": batches, "samples_per_s": round(samples / secs, 2),
             "images_per_s": round(images / secs, 2), "mp_per_s": round(mp / secs, 2)}
@@ -85,7 +85,7 @@ def run_service(cfg, run: str) -> dict:
                 blocks.append((key, now, 0))
             blocks[-1] = (key, blocks[-1][1], blocks[-1][2] + len(b.sample_keys))
         t_end = time.perf_counter()
-        stats = svc.stats()["ranks"][0]
+        stats = svc.stats().ranks[0].as_dict()
     finally:
         svc.shutdown()
     return _service_report(blocks, batches, t_start, t_end, stats)

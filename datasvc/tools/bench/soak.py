@@ -204,7 +204,7 @@ def _feeder_stats(svc, timeout: float | None = None) -> dict:
 
     from datasvc.service.feeder import feeder_name
 
-    return ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote(), timeout=timeout)
+    return ray.get(ray.get_actor(feeder_name(svc.run, 0)).stats.remote(), timeout=timeout).as_dict()
 
 
 def _note_reasons(svc, seen: set) -> None:

@@ -176,7 +176,7 @@ def _consume(client, feeder, spec, model, samples: int | None, seconds: float | 
         pos = client.last_position
         key = (pos["epoch"], pos["block"])
         if not blocks or blocks[-1].key != key:
-            stats = ray.get(feeder.stats.remote()) if blocks else None
+            stats = ray.get(feeder.stats.remote()).as_dict() if blocks else None
             blocks.append(_Block(key, now, stats, client.transfer_s, cpu.read() if cpu else None))
             if len(blocks) == 2:  # the window opens at the second block's first micro-batch
                 cpu = _CpuMeter([ray.get(a.pid.remote()) for a in ray.get(feeder.actor_handles.remote())])
@@ -213,7 +213,7 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
                                       timeout_s or max(900.0, 3 * (seconds or 0)), bar)
     finally:
         bar.close()
-        end_stats = ray.get(feeder.stats.remote())
+        end_stats = ray.get(feeder.stats.remote()).as_dict()
         end_transfer = client.transfer_s
         client.close()
         svc.shutdown()
