@@ -474,9 +474,9 @@ def test_a_calibration_prices_its_own_model_as_fitted_and_others_as_derived():
     from pipelines.qwen3vl import cost
 
     own = cost.cost_model(calibration="h200-depth-proxy-fsdp")
-    assert own.name == "qwen3vl-30b-a3b-depth-proxy" and own.source.endswith("fitted on this model")
+    assert own.name == "qwen3vl-30b-a3b-48layers-16experts" and own.source.endswith("fitted on this model")
     other = cost.cost_model(cost.MEASURED_PRESET, calibration="h200-depth-proxy-fsdp")
-    assert other.name == cost.MEASURED_PRESET and "rates fitted on qwen3vl-30b-a3b-depth-proxy" in other.source
+    assert other.name == cost.MEASURED_PRESET and "rates fitted on qwen3vl-30b-a3b-48layers-16experts" in other.source
     assert own.decoder_per_token > 4 * other.decoder_per_token  # 48 decoder layers against 4, same embeddings
     # The trainer's 4-layer proxy, spelled as the preset with its override, is the model the 3d runs fitted.
     assert cost.cost_model("qwen3vl-30b-a3b", "h200-3d", num_layers=4) == cost.cost_model(calibration="h200-3d")
@@ -490,11 +490,11 @@ def test_trainer_balances_with_the_calibration_of_its_setting_at_its_models_flop
     from trainer.job import balance_cost
     from trainer.run import parse_args
 
-    flags = ["qwen3vl", "--strategy", strategy, "--model-preset", "qwen3vl-30b-a3b-depth-proxy", "--balance-dp"]
+    flags = ["qwen3vl", "--strategy", strategy, "--model-preset", "qwen3vl-30b-a3b-48layers-16experts", "--balance-dp"]
     options = balance_cost(from_args(parse_args(flags + (["--recompute", "full"] if recompute else []))))
-    assert options["calibration"] == calibration and options["preset"] == "qwen3vl-30b-a3b-depth-proxy"
+    assert options["calibration"] == calibration and options["preset"] == "qwen3vl-30b-a3b-48layers-16experts"
     model = balance.cost_model("qwen3vl", **options)  # what every feeder builds from the config
-    assert model.name == "qwen3vl-30b-a3b-depth-proxy"
+    assert model.name == "qwen3vl-30b-a3b-48layers-16experts"
     assert ("fitted on this model" in model.source) == (calibration == "h200-depth-proxy-fsdp")
     frozen = balance.cost_model("qwen3vl", **{**options, "vision_trainable": False})
     assert frozen.vision_per_patch == pytest.approx(model.vision_per_patch / 3)  # forward only: 2 of 6 FLOPs

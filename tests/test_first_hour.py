@@ -47,6 +47,7 @@ MISTAKES = [
     (TRAIN + ["--world-size", "0"], "argument --world-size: must be >= 1, not 0"),
     (TRAIN + ["--decode-threads", "0"], "argument --decode-threads: must be >= 1, not 0"),
     (TRAIN + ["--gbs", "0"], "argument --gbs: must be >= 1, not 0"),
+    (TRAIN + ["--model-preset", "qwen3vl-30b-a3b-depth-proxy"], "is now named 'qwen3vl-30b-a3b-48layers-16experts'"),
     (TRAIN + ["--filter", "similarity>=nan"], "'nan' is not a finite number"),
     (TRAIN + ["--filter", "similarity=>0.3"], "is not FIELD OP VALUE"),
     (TRAIN + ["--video-fps", "nan"], "argument --video-fps: must be a number > 0, not nan"),

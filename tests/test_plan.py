@@ -85,7 +85,7 @@ RECORDED = [
 ]
 # The depth-faithful proxy (48 layers, 16 experts) as issue 18 quotes it, one H200, 3d, full
 # recompute, 32k-patch chunks: "peaks about 112 and 128 GiB" (no results file holds these runs).
-QUOTED = [("qwen3vl-30b-a3b-depth-proxy", 2, 112.0), ("qwen3vl-30b-a3b-depth-proxy", 4, 128.0)]
+QUOTED = [("qwen3vl-30b-a3b-48layers-16experts", 2, 112.0), ("qwen3vl-30b-a3b-48layers-16experts", 4, 128.0)]
 # Runs that ran out of memory on one H200 (docs/benchmarks/mbs-sweep-and-large-micro-batches.md), each with the text in tests/data/recorded
 # that records it: (evidence, strategy, MBS, recompute, vision chunk patches, expandable segments, fill)
 OUT_OF_MEMORY = [
@@ -171,7 +171,7 @@ DEPTH_PROXY_RUNS = [
 def test_depth_proxy_runs_within_ten_percent(name, source, measured):
     with open(os.path.join(RESULTS, name)) as f:
         assert json.load(f)["peak_mem_gib"] == pytest.approx(measured, abs=0.01)
-    plan = plan_job(job("fsdp", 1, "full", 32768, True, preset="qwen3vl-30b-a3b-depth-proxy"), 1, H200_GIB,
+    plan = plan_job(job("fsdp", 1, "full", 32768, True, preset="qwen3vl-30b-a3b-48layers-16experts"), 1, H200_GIB,
                     Workload(image_share=IMAGE_SHARE[source]), advise=False)
     assert abs(plan.peak_gib - measured) / measured <= 0.10, plan.peak_gib
     assert plan.fits
@@ -188,8 +188,8 @@ def test_recorded_out_of_memory_runs_do_not_fit(case):
     assert fixes and all(p.fits for _, p in fixes)
 
 
-MODELS = [("qwen3vl-30b-a3b", None), ("qwen3vl-235b-a22b", None), ("qwen3vl-30b-a3b-depth-proxy", None),
-          ("qwen3vl-30b-a3b-4layer-proxy", None), ("qwen3vl-30b-a3b-4layer-all-experts-proxy", None)]
+MODELS = [("qwen3vl-30b-a3b", None), ("qwen3vl-235b-a22b", None), ("qwen3vl-30b-a3b-48layers-16experts", None),
+          ("qwen3vl-30b-a3b-4layers-16experts", None), ("qwen3vl-30b-a3b-4layers-128experts", None)]
 
 
 @pytest.mark.parametrize("preset", [m for m, _ in MODELS])
@@ -221,12 +221,12 @@ def test_verdicts_across_machines():
     assert fits("qwen3vl-30b-a3b", 8, 141, **full) and fits("qwen3vl-30b-a3b", 64, 80, **full)
     assert not any(fits("qwen3vl-235b-a22b", n, g, **full) for n in (1, 8) for g in (80, 141, 186))
     assert fits("qwen3vl-235b-a22b", 64, 141, **full) and fits("qwen3vl-235b-a22b", 64, 186, **full)
-    assert fits("qwen3vl-30b-a3b-depth-proxy", 1, 141, **full) and not fits("qwen3vl-30b-a3b-depth-proxy", 1, 80, **full)
-    assert fits("qwen3vl-30b-a3b-4layer-proxy", 1, 80, **full)
+    assert fits("qwen3vl-30b-a3b-48layers-16experts", 1, 141, **full) and not fits("qwen3vl-30b-a3b-48layers-16experts", 1, 80, **full)
+    assert fits("qwen3vl-30b-a3b-4layers-16experts", 1, 80, **full)
 
 
 @pytest.mark.parametrize("gpus,gib,picked", [
-    (1, 80, "qwen3vl-30b-a3b-4layer-proxy"), (1, 141, "qwen3vl-30b-a3b-depth-proxy"),
+    (1, 80, "qwen3vl-30b-a3b-4layers-16experts"), (1, 141, "qwen3vl-30b-a3b-48layers-16experts"),
     (8, 141, "qwen3vl-30b-a3b"), (64, 186, "qwen3vl-30b-a3b")])
 def test_fit_auto_picks_the_largest_model_that_fits(gpus, gib, picked):
     cfg, plan, reason = fit_auto(job(gpus=gpus), gpus, gib)
@@ -250,7 +250,7 @@ def test_recommendations_name_their_reasons():
     assert any(w.startswith("try MBS") or "MBS" in w for w in advice)
     fsdp = plan_job(job("fsdp", 2, num_layers=4), 1, H200_GIB)
     assert any("bring-up" in a.what and "frozen" in a.why for a in fsdp.advice)
-    bad = plan_job(job("3d", 1, gpus=8, pp=8, preset="qwen3vl-30b-a3b-4layer-proxy"), 8, H200_GIB)
+    bad = plan_job(job("3d", 1, gpus=8, pp=8, preset="qwen3vl-30b-a3b-4layers-16experts"), 8, H200_GIB)
     assert any(a.what == "use --strategy fsdp" and "layers" in a.why for a in bad.advice)
 
 
@@ -299,7 +299,7 @@ def test_run_fit_auto_rewrites_the_options_to_what_fits():
 
     args = parse_args(["qwen3vl", "--world-size", "1", "--gpu-memory-gib", "141", "--mbs", "2"])
     plan_gate_declared(args)
-    assert args.model_preset == "qwen3vl-30b-a3b-depth-proxy" and args.fit == "off"
+    assert args.model_preset == "qwen3vl-30b-a3b-48layers-16experts" and args.fit == "off"
     from trainer.config import from_args
 
     cfg = from_args(args)
@@ -318,7 +318,7 @@ def test_fit_auto_climbs_down_the_pipelines_own_presets():
 
     args = parse_args(["qwen35vl", "--world-size", "1", "--gpu-memory-gib", "141"])
     plan_gate_declared(args)
-    assert args.model_preset.startswith("qwen35vl-35b-a3b-") and args.model_preset.endswith("-proxy")
+    assert args.model_preset.startswith("qwen35vl-35b-a3b-") and args.model_preset.endswith("-16experts")
 
 
 def test_gpu_memory_from_the_clusters_gpu_type():

@@ -179,7 +179,7 @@ def test_presets_map_through_megatron_bridges_autobridge(preset, provider, hidde
     assert m.vocab_size == 248320 and m.image_token_id == pipeline_part("qwen35vl", "data").TOKENS.image_pad
 
 
-@pytest.mark.parametrize("preset", ["qwen35vl-35b-a3b", "qwen35vl-27b", "qwen35vl-35b-a3b-4layer-proxy"])
+@pytest.mark.parametrize("preset", ["qwen35vl-35b-a3b", "qwen35vl-27b", "qwen35vl-35b-a3b-4layers-16experts"])
 def test_the_planner_counts_the_parameters_transformers_builds(preset):
     """The memory planner's parameters of each layer kind (gated attention, Gated DeltaNet, routed and
     shared experts, dense MLP) add up to transformers' own model of the preset, built on the meta device,

@@ -152,7 +152,7 @@ CUDA_GRAPH_SCOPES = {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}
 def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
     """Every problem, by section. Names and sizes are checked first: the later sections compute with
     them (the architecture, the parallel grid), so they run only once those are sound."""
-    out = _check_model_names(cfg.model)
+    out = check_model_names(cfg.model)
     if out:
         return out
     out = _check_model(cfg.model) + _check_parallel_sizes(cfg.parallel)
@@ -173,8 +173,11 @@ def _model_chunks(p: ParallelConfig) -> int:
     return p.pp * (p.vpp or 1)
 
 
-def _check_model_names(m: ModelConfig) -> list[str]:
-    if m.preset not in (names := pipeline_part(m.pipeline, "arch").preset_names()):
+def check_model_names(m: ModelConfig) -> list[str]:
+    arch = pipeline_part(m.pipeline, "arch")
+    if m.preset in arch.RENAMED:
+        return [f"model preset {m.preset!r} is now named {arch.RENAMED[m.preset]!r}: pass --model-preset {arch.RENAMED[m.preset]}"]
+    if m.preset not in (names := arch.preset_names()):
         return [f"unknown model preset {m.preset!r} for {m.pipeline}; choose one of {names}"]
     return [f"--{name.replace('_', '-')} must be >= 1 (got {v})" for name in ("num_layers", "num_experts", "vision_depth")
             if (v := getattr(m, name)) is not None and v < 1]

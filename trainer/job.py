@@ -160,6 +160,11 @@ def check_args(args: argparse.Namespace) -> None:
 
     if args.pipeline not in available():
         raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
+    if args.model_preset:
+        from trainer.config import ModelConfig, check_model_names
+
+        if problems := check_model_names(ModelConfig(pipeline=args.pipeline, preset=args.model_preset)):
+            raise SystemExit("; ".join(problems))
     from datasvc.read.shards import expand_shards
 
     for flag, patterns in (("--shards", args.shards), ("--valid-shards", args.valid_shards)):
@@ -207,7 +212,7 @@ MEGATRON_ONLY_FLAGS = frozenset({
     "--strategy", "--vpp", "--etp", "--moe-dispatcher", "--flex-backend", "--moe-aux-loss-coeff", "--recompute",
     "--recompute-modules", "--recompute-num-layers", "--cuda-graph-scope", "--cuda-graph-warmup-steps",
     "--num-layers", "--num-experts", "--vision-depth", "--freeze-language-model", "--freeze-vision-model",
-    "--freeze-vision-projection", "--vision-chunk-patches", "--expandable-segments"})
+    "--freeze-vision-projection", "--vision-chunk-patches", "--expandable-segments", "--model-preset"})
 
 
 def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[TrainerConfig, int]:

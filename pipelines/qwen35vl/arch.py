@@ -125,12 +125,15 @@ PRESETS: dict[str, Qwen35VLArch] = {
 # Proxies of 35B-A3B that one GPU holds: the full depth (40 layers, 10 of them softmax attention) with
 # 16 experts instead of 256, and 4 layers (3 DeltaNet + 1 attention) with 16 experts.
 PROXIES: dict[str, tuple[str, dict]] = {
-    "qwen35vl-35b-a3b-depth-proxy": ("qwen35vl-35b-a3b", {"num_experts": 16}),
-    "qwen35vl-35b-a3b-4layer-proxy": ("qwen35vl-35b-a3b", {"num_layers": 4, "num_experts": 16}),
+    "qwen35vl-35b-a3b-40layers-16experts": ("qwen35vl-35b-a3b", {"num_experts": 16}),
+    "qwen35vl-35b-a3b-4layers-16experts": ("qwen35vl-35b-a3b", {"num_layers": 4, "num_experts": 16}),
 }
+# Earlier names, refused in one line that gives the new one.
+RENAMED = {"qwen35vl-35b-a3b-depth-proxy": "qwen35vl-35b-a3b-40layers-16experts",
+           "qwen35vl-35b-a3b-4layer-proxy": "qwen35vl-35b-a3b-4layers-16experts"}
 DEFAULT_PRESET = "qwen35vl-35b-a3b"
 # From the largest: the order the trainer's memory planner (``--fit auto``) tries.
-SIZE_ORDER = ("qwen35vl-35b-a3b", "qwen35vl-27b", "qwen35vl-35b-a3b-depth-proxy", "qwen35vl-35b-a3b-4layer-proxy")
+SIZE_ORDER = ("qwen35vl-35b-a3b", "qwen35vl-27b", "qwen35vl-35b-a3b-40layers-16experts", "qwen35vl-35b-a3b-4layers-16experts")
 
 
 def arch(preset: str, **overrides) -> Qwen35VLArch:
@@ -139,6 +142,8 @@ def arch(preset: str, **overrides) -> Qwen35VLArch:
         base_name, proxy = PROXIES[preset]
         overrides = {**proxy, **{k: v for k, v in overrides.items() if v is not None}}
         preset = base_name
+    if preset in RENAMED:
+        raise ValueError(f"model preset {preset!r} is now named {RENAMED[preset]!r}")
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {preset_names()}")
     changes = {k: v for k, v in overrides.items() if v is not None}

@@ -97,20 +97,24 @@ PRESETS: dict[str, Qwen3VLArch] = {
     "qwen3vl-235b-a22b": QWEN3VL_235B_A22B,
 }
 
-# Proxies of 30B-A3B that one GPU holds. "depth" is faithful to the full model's depth (48 decoder
-# layers, the 27-layer vision tower, top-8 routing over 768-wide experts) with 16 experts instead of
-# 128; "4-layer" is the short proxy most earlier measurements used.
+# Proxies of 30B-A3B that one GPU holds, named by their decoder layers and experts. The 48-layer one
+# (the docs' "depth proxy") keeps the full model's depth, its 27-layer vision tower and top-8 routing
+# over 768-wide experts, with 16 experts instead of 128; the 4-layer ones are the short proxies.
 PROXIES: dict[str, tuple[str, dict]] = {
-    "qwen3vl-30b-a3b-depth-proxy": ("qwen3vl-30b-a3b", {"num_experts": 16}),
-    "qwen3vl-30b-a3b-4layer-proxy": ("qwen3vl-30b-a3b", {"num_layers": 4, "num_experts": 16}),
-    # The model the single-H200 figures in docs/results were measured on (``--num-layers 4`` on the
-    # full preset): 4 decoder layers with all 128 experts each, 3.65B parameters.
-    "qwen3vl-30b-a3b-4layer-all-experts-proxy": ("qwen3vl-30b-a3b", {"num_layers": 4}),
+    "qwen3vl-30b-a3b-48layers-16experts": ("qwen3vl-30b-a3b", {"num_experts": 16}),
+    "qwen3vl-30b-a3b-4layers-16experts": ("qwen3vl-30b-a3b", {"num_layers": 4, "num_experts": 16}),
+    # The model most single-H200 figures in docs/results were measured on (``--num-layers 4`` on the
+    # full preset): all 128 experts in each layer, 3.65B parameters.
+    "qwen3vl-30b-a3b-4layers-128experts": ("qwen3vl-30b-a3b", {"num_layers": 4}),
 }
+# Earlier names, refused in one line that gives the new one.
+RENAMED = {"qwen3vl-30b-a3b-depth-proxy": "qwen3vl-30b-a3b-48layers-16experts",
+           "qwen3vl-30b-a3b-4layer-proxy": "qwen3vl-30b-a3b-4layers-16experts",
+           "qwen3vl-30b-a3b-4layer-all-experts-proxy": "qwen3vl-30b-a3b-4layers-128experts"}
 DEFAULT_PRESET = "qwen3vl-30b-a3b"
 # From the largest: the order in which the trainer's memory planner (``--fit auto``) looks for the
 # largest model that fits; the depth-faithful proxy comes before the 4-layer one.
-SIZE_ORDER = ("qwen3vl-235b-a22b", "qwen3vl-30b-a3b", "qwen3vl-30b-a3b-depth-proxy", "qwen3vl-30b-a3b-4layer-proxy")
+SIZE_ORDER = ("qwen3vl-235b-a22b", "qwen3vl-30b-a3b", "qwen3vl-30b-a3b-48layers-16experts", "qwen3vl-30b-a3b-4layers-16experts")
 
 
 def arch(preset: str, **overrides) -> Qwen3VLArch:
@@ -119,6 +123,8 @@ def arch(preset: str, **overrides) -> Qwen3VLArch:
         base_name, proxy = PROXIES[preset]
         overrides = {**proxy, **{k: v for k, v in overrides.items() if v is not None}}
         preset = base_name
+    if preset in RENAMED:
+        raise ValueError(f"model preset {preset!r} is now named {RENAMED[preset]!r}")
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS) + sorted(PROXIES)}")
     changes = {k: v for k, v in overrides.items() if v is not None}

@@ -314,7 +314,7 @@ def calibration_inputs(results_dir: str) -> dict[str, tuple[dict[str, bool], dic
         "h200-depth-proxy-fsdp": ("fsdp", depth, depth_proxy, "Megatron-FSDP on one GPU, MBS 1-2, full recompute, "
                                   "32k-patch vision chunks (what trainer.run picks with no flags)"),
     }
-    models = {"h200-depth-proxy-fsdp": "qwen3vl-30b-a3b-depth-proxy"}
+    models = {"h200-depth-proxy-fsdp": "qwen3vl-30b-a3b-48layers-16experts"}
     out = {}
     for name, (strategy, cases, model, setting) in settings.items():
         chosen = files(strategy, cases)

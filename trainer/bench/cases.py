@@ -15,7 +15,7 @@ PROXY = ["--num-layers", "4", "--seq-len", "4096"]
 MEMORY = ["--recompute", "full", "--vision-chunk-patches", "32768"]  # what MBS 4-8 needs to fit
 SOURCES = ("real-large", "synthetic-large", "mock-large")
 VIDEO = ["--video-max-pixels", str(4 << 20)]  # about 2k tokens a clip: one video sample fits a 4k row
-DEPTH_PROXY = ["--model-preset", "qwen3vl-30b-a3b-depth-proxy", "--num-layers", "48", *MEMORY, "--expandable-segments"]
+DEPTH_PROXY = ["--model-preset", "qwen3vl-30b-a3b-48layers-16experts", "--num-layers", "48", *MEMORY, "--expandable-segments"]
 """What ``trainer.run`` picks with no flags on one H200: all 48 decoder layers, 16 experts (docs/benchmarks/4-layer-proxy-and-depth-proxy.md)."""
 
 

@@ -70,8 +70,8 @@ def common_cases():
         ("30B-A3B, fsdp, MBS 8, full recompute", job("qwen3vl-30b-a3b", mbs=8)),
         ("235B-A22B, fsdp, MBS 1, full recompute", job("qwen3vl-235b-a22b", mbs=1)),
         ("235B-A22B, fsdp, MBS 2, full recompute", job("qwen3vl-235b-a22b")),
-        ("depth proxy (48 layers, 16 experts), 3d, MBS 2, full", job("qwen3vl-30b-a3b-depth-proxy", strategy="3d")),
-        ("depth proxy, 3d, MBS 4, full", job("qwen3vl-30b-a3b-depth-proxy", mbs=4, strategy="3d")),
+        ("depth proxy (48 layers, 16 experts), 3d, MBS 2, full", job("qwen3vl-30b-a3b-48layers-16experts", strategy="3d")),
+        ("depth proxy, 3d, MBS 4, full", job("qwen3vl-30b-a3b-48layers-16experts", mbs=4, strategy="3d")),
         ("4 layers, 128 experts, 3d, MBS 8, full", job("qwen3vl-30b-a3b", mbs=8, strategy="3d", num_layers=4)),
-        ("4-layer proxy (16 experts), 3d, MBS 8, full", job("qwen3vl-30b-a3b-4layer-proxy", mbs=8, strategy="3d")),
+        ("4-layer proxy (16 experts), 3d, MBS 8, full", job("qwen3vl-30b-a3b-4layers-16experts", mbs=8, strategy="3d")),
     ]
