@@ -111,10 +111,10 @@ class ServiceConfig:
     """Restore a saved loader state even though the shard files changed since (added, removed,
     rewritten): the stream is re-planned over the files as they are now, and a warning says so.
     Without it such a restore fails, naming what changed."""
-    fault_injection: dict = field(default_factory=dict)
-    """For tests of fault handling only, never in a real run: real failures in the preprocessing
-    actors, keyed as ``datasvc.stream.recovery.FaultInjection`` lists them (``kill_on_key``,
-    ``raise_on_key``, ``address_space_headroom_bytes``, ``rss_headroom_bytes``)."""
+    actor_hook: tuple = ()
+    """``("module:factory", {keyword: value})``: each preprocessing actor calls ``factory(**keywords)``
+    once when it starts and the callable it returns with every work item before processing it (for
+    tracing, or the soak bench's real faults: ``datasvc.tools.bench.faults``). Empty: none."""
     filters: tuple[str, ...] = ()
     """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
     the others are counted as skipped_by_rule under the rule (grammar: datasvc.read.filters)."""
@@ -190,10 +190,9 @@ class ServiceConfig:
             problems.append(f"decoded_bytes_budget must be >= 1 MiB, not {self.decoded_bytes_budget}")
         if self.encoded_bytes_budget < 1 << 20:
             problems.append(f"encoded_bytes_budget must be >= 1 MiB, not {self.encoded_bytes_budget}")
-        unknown = set(self.fault_injection) - {"kill_on_key", "raise_on_key", "address_space_headroom_bytes",
-                                               "rss_headroom_bytes"}
-        if unknown:
-            problems.append(f"unknown fault_injection keys {sorted(unknown)}")
+        if self.actor_hook and not (len(self.actor_hook) == 2 and ":" in str(self.actor_hook[0])
+                                    and isinstance(self.actor_hook[1], dict)):
+            problems.append(f"actor_hook must be ('module:factory', {{keywords}}), not {self.actor_hook!r}")
         if self.micro_batches_per_step < 1 or (self.balance_dp and self.micro_batches_per_step < 2):
             problems.append(f"micro_batches_per_step={self.micro_batches_per_step}: balance_dp deals a step's micro-batches "
                             "between ranks, so set it to GBS / (DP x MBS) >= 2 (with 1 there is nothing to deal)")

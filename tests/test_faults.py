@@ -14,6 +14,7 @@ from datasvc.config import ServiceConfig
 from datasvc.read.shards import index_shard
 from datasvc.service.client import DataService
 from datasvc.service.feeder import EndOfData
+from datasvc.tools.bench.faults import faults
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
 
@@ -151,7 +152,7 @@ def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, 
     idx = index_shard(photo_shards[0])
     first, killer = (WorkItem(idx.path, i, (idx.samples[i],)) for i in (0, 1))
     pool = ActorPool(cfg(photo_shards, min_actors=1, max_actors=1,
-                     fault_injection={"kill_on_key": f"{idx.path}/{idx.samples[1].key}"}), rank=0)
+                     actor_hook=faults(kill_on_key=f"{idx.path}/{idx.samples[1].key}")), rank=0)
     try:
         deadline = time.monotonic() + 120
         while not pool.has_room() and time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from datasvc.service.feeder import EndOfData
 from datasvc.stream.process import quarantine_item, split_item
 from datasvc.stream.producer import BlockProducer, DataServiceError
 from datasvc.stream.recovery import Recovery, Task
+from datasvc.tools.bench.faults import faults
 from datasvc.wire import WorkItem
 
 SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
@@ -150,7 +151,7 @@ def test_failure_budget_stops_the_run_naming_the_top_reasons(tmp_path, photos):
 def test_an_item_that_raises_is_redone_sample_by_sample(tmp_path, photos, ray_local):
     shard = write_shard(tmp_path / "s.tar", [(f"k{i}", [photos[i % len(photos)]]) for i in range(8)])
     victim = f"{shard}/k2"
-    got, stats = run(cfg([shard], fault_injection={"raise_on_key": victim}))
+    got, stats = run(cfg([shard], actor_hook=faults(raise_on_key=victim)))
     assert got == Counter({f"{shard}/k{i}": 1 for i in range(8) if i != 2})
     assert rejected(stats) == {"k2": "worker_error"}
     assert "injected failure" in stats.ranks[0].stream.accounting.log[0].detail
@@ -164,8 +165,8 @@ def test_samples_that_kill_their_actor_are_quarantined_and_the_stream_goes_on(tm
     samples = [(f"k{i}", [photos[i % len(photos)]]) for i in range(8)]
     samples[5] = ("k5", [big_png(4000, s) for s in range(4)])  # 4 x 48 MB decoded: ~240 MiB at 4-6 bytes a pixel
     shard = write_shard(tmp_path / "s.tar", samples)
-    faults = {"kill_on_key": f"{shard}/k1", "rss_headroom_bytes": 150 * MiB}
-    got, stats = run(cfg([shard], samples_per_item=2, fault_injection=faults))
+    hook = faults(kill_on_key=f"{shard}/k1", rss_headroom_bytes=150 * MiB)
+    got, stats = run(cfg([shard], samples_per_item=2, actor_hook=hook))
     assert got == Counter({f"{shard}/k{i}": 1 for i in range(8) if i not in (1, 5)})
     assert rejected(stats) == {"k1": "worker_died", "k5": "worker_died"}
     assert balanced(stats.accounting)
@@ -179,7 +180,7 @@ def test_decoding_stays_under_the_budget_within_a_real_memory_limit(tmp_path, ph
     samples = [(f"big{i}", [big_png(4000, i)]) for i in range(4)]  # ~100 MiB each to decode and resize
     samples += [("huge", [big_png(4000, s) for s in range(3)]), ("small", [photos[0]])]
     shard = write_shard(tmp_path / "s.tar", samples)
-    limited = dict(samples_per_item=6, items_per_block=1, fault_injection={"rss_headroom_bytes": 300 * MiB})
+    limited = dict(samples_per_item=6, items_per_block=1, actor_hook=faults(rss_headroom_bytes=300 * MiB))
     got, stats = run(cfg([shard], decoded_bytes_budget=200 * MiB, **limited))
     assert got == Counter({f"{shard}/{k}": 1 for k in ("big0", "big1", "big2", "big3", "small")})
     assert rejected(stats) == {"huge": "sample_too_large"}

@@ -14,7 +14,7 @@ from datasvc.config import ServiceConfig
 from datasvc.service.locality import NodeShare, near
 from datasvc.stream.process import ItemProcessor
 from datasvc.stream.producer import DataServiceError
-from datasvc.stream.recovery import FaultInjection, Recovery, Task
+from datasvc.stream.recovery import Recovery, Task
 from datasvc.wire import ItemResult, WorkItem
 
 log = logging.getLogger("vlmfeed.service")
@@ -26,15 +26,25 @@ class PreprocessActor:
 
     def __init__(self, cfg: ServiceConfig, device_id: int = 0):
         self.processor = ItemProcessor(cfg, device_id)
-        self.faults = FaultInjection(cfg.fault_injection) if cfg.fault_injection else None
+        self.hook = actor_hook(cfg.actor_hook)
 
     def process(self, item: WorkItem) -> ItemResult:
-        if self.faults:
-            self.faults.before(item)
+        if self.hook is not None:
+            self.hook(item)
         return self.processor(item)
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def actor_hook(spec: tuple):
+    """The callable ``ServiceConfig.actor_hook`` names, built (None without one)."""
+    if not spec:
+        return None
+    import importlib
+
+    module, name = spec[0].split(":", 1)
+    return getattr(importlib.import_module(module), name)(**spec[1])
 
 
 def _root_cause(exc: Exception) -> str:

@@ -10,17 +10,10 @@ actor pool (``datasvc.service.pool``) reports what happened, this decides what t
   the one it was running cannot be told from the others (the result of an item it finished may
   be lost with it, so an innocent item fails beside the guilty one).
 - The pieces' results merge back into one result for the item the producer submitted.
-
-``FaultInjection`` makes such failures happen for real, for tests only
-(``ServiceConfig.fault_injection``).
 """
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
-import time
 from dataclasses import dataclass
 
 from datasvc.stream.process import merge_results, quarantine_item, split_item
@@ -109,47 +102,3 @@ class Recovery:
                     task.item.item_id, len(task.item.samples), why, len(pieces))
         split = Split(task, [None] * len(pieces), len(pieces))
         self.backlog.extend(Task(None, piece, split, i, solo=solo) for i, piece in enumerate(pieces))
-
-
-class FaultInjection:
-    """For tests of fault handling only: real failures in a preprocessing actor's process.
-
-    - ``kill_on_key``: SIGKILL, on an item holding that sample ("shard/key"); what a decoder
-      crash or an OOM kill does.
-    - ``raise_on_key``: the whole item raises.
-    - ``address_space_headroom_bytes``: RLIMIT_AS at the address space the process holds now plus
-      this; allocations past it fail.
-    - ``rss_headroom_bytes``: SIGKILL once resident memory grows this much past what it holds now,
-      as the kernel kills a process over its memory cgroup's limit.
-    """
-
-    def __init__(self, faults: dict):
-        import psutil
-
-        self.faults = faults
-        mem = psutil.Process().memory_info()
-        if "address_space_headroom_bytes" in faults:
-            import resource
-
-            limit = mem.vms + int(faults["address_space_headroom_bytes"])
-            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-        if "rss_headroom_bytes" in faults:
-            limit = mem.rss + int(faults["rss_headroom_bytes"])
-            threading.Thread(target=self._watch_rss, args=(limit,), name="rss-limit", daemon=True).start()
-
-    @staticmethod
-    def _watch_rss(limit: int) -> None:
-        import psutil
-
-        proc = psutil.Process()
-        while True:
-            if proc.memory_info().rss > limit:
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(0.002)
-
-    def before(self, item: WorkItem) -> None:
-        keys = {f"{item.shard}/{s.key}" for s in item.samples}
-        if self.faults.get("kill_on_key") in keys:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.faults.get("raise_on_key") in keys:
-            raise RuntimeError(f"injected failure on {self.faults['raise_on_key']}")

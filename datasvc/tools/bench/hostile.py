@@ -3,7 +3,7 @@ that needs them): every class of bad data the service must survive, each a real 
 next to good samples, so that one bad sample costs only itself and nothing goes uncounted.
 
 ``write_hostile_set(out_dir, photo, bomb_side)`` writes them all and returns their paths, and the
-sample key a soak can hand to ``ServiceConfig.fault_injection["kill_on_key"]``.
+sample key a soak can hand to ``faults.faults(kill_on_key=...)``.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from collections import Counter, defaultdict
 import psutil
 
 from datasvc.samples import cache_dir
+from datasvc.tools.bench.faults import faults
 
 
 def accepted_keys(cfg) -> Counter:
@@ -40,7 +41,7 @@ def accepted_keys(cfg) -> Counter:
     from datasvc.stream.producer import BlockProducer
 
     keys = Counter()
-    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1, fault_injection={}), 0).micro_batches():
+    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1, actor_hook=()), 0).micro_batches():
         keys.update(batch.sample_keys)
     return keys
 
@@ -87,7 +88,7 @@ def _soak_config():
                         micro_batch_size=2, samples_per_item=4, items_per_block=2, chain_blocks=CHAIN_BLOCKS,
                         pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
                         decoded_bytes_budget=DECODED_BYTES_BUDGET, encoded_bytes_budget=ENCODED_BYTES_BUDGET,
-                        fault_injection={"kill_on_key": kill_key},
+                        actor_hook=faults(kill_on_key=kill_key),
                         epochs=None, min_actors=1, max_actors=2, max_batches_ahead=3, autoscale_interval_s=2.0)
     return cfg, kill_key
 
@@ -105,7 +106,7 @@ def file_checks(cfg) -> dict:
     path = write_tar(os.path.join(cache_dir("soak"), "rewritten.tar"), [m for i in range(4) for m in good(f"rw{i}", photo)])
     index = index_shard(path)
     rewrite_in_place(path)
-    result = ItemProcessor(dataclasses.replace(cfg, fault_injection={}), device_id=None)(
+    result = ItemProcessor(dataclasses.replace(cfg, actor_hook=()), device_id=None)(
         WorkItem(path, 0, tuple(index.samples)))
     return {"shard_names": len(cfg.shards), "shard_files": len({os.path.realpath(p) for p in cfg.shards}),
             "shard_files_read": len(expand_shards(list(cfg.shards))),
