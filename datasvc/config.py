@@ -1,11 +1,12 @@
 """Data service configuration: one typed dataclass, checked when built."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 from datasvc.read.blend import blend_patterns, parse_blend
@@ -20,38 +21,48 @@ ACTOR_MALLOC_TUNABLES = ":".join(("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_t
 _TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[0-9A-Za-z_]+")
 
 
+# A field that must match for a saved loader state to restore exactly (``ServiceConfig.fingerprint``);
+# IF_SET: only once it differs from its default, so states saved before the option existed still restore.
+RESUME = {"resume": "always"}
+RESUME_IF_SET = {"resume": "if_set"}
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 class InvalidConfig(ValueError, UserError):
     """Settings of the data service that cannot work together, each named with its fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
-    shards: tuple[str, ...]
+    shards: tuple[str, ...] = field(metadata=RESUME)
     """Shard paths, globs or brace patterns."""
-    pipeline: str = "qwen3vl"
-    pipeline_options: dict = field(default_factory=dict)
+    pipeline: str = field(default="qwen3vl", metadata=RESUME)
+    pipeline_options: dict = field(default_factory=dict, metadata=RESUME)
     """Passed to the pipeline's ``build`` (e.g. max_pixels, tokenizer)."""
-    seq_len: int = 4096
-    micro_batch_size: int = 1
-    pack: bool = True
+    seq_len: int = field(default=4096, metadata=RESUME)
+    micro_batch_size: int = field(default=1, metadata=RESUME)
+    pack: bool = field(default=True, metadata=RESUME)
     """Several samples per row; False pads one sample per row (for comparison with stock loaders)."""
-    dp_size: int = 1
+    dp_size: int = field(default=1, metadata=RESUME)
     consumers_per_replica: int = 1
     """Ranks of one data-parallel replica (TP x PP x CP): each receives every micro-batch."""
     epochs: int | None = 1
     """None streams forever."""
-    seed: int = 0
-    samples_per_item: int = 16
+    seed: int = field(default=0, metadata=RESUME)
+    samples_per_item: int = field(default=16, metadata=RESUME)
     """Samples per work item (the unit an actor processes and redoes after a failure)."""
-    items_per_block: int = 4
+    items_per_block: int = field(default=4, metadata=RESUME)
     """Work items shuffled and packed together; also the granularity of exact resume."""
-    blocks_span_epochs: bool = False
+    blocks_span_epochs: bool = field(default=False, metadata=RESUME_IF_SET)
     """Cut blocks from the epochs laid end to end: an epoch then ends without a part-empty block.
     Positions count blocks from the stream's start; each epoch still holds each sample once."""
-    remainder: dict | None = None
+    remainder: dict | None = field(default=None, metadata=RESUME_IF_SET | {"as": "_remainder_digest"})
     """Where a resume at another data-parallel size took the stream up (``datasvc.remainder``): the
     first epoch, and the samples of each epoch under way already trained, which the plan leaves out."""
-    chain_blocks: int = 1
+    chain_blocks: int = field(default=1, metadata=RESUME_IF_SET)
     """Blocks packed as a chain: rows that would leave a block's last micro-batch part empty are held
     and packed with the next block's samples, up to the end of a chain of this many blocks (and at
     the end of each epoch unless blocks span epochs). 1: every block packs on its own. Restoring
@@ -115,13 +126,13 @@ class ServiceConfig:
     """``("module:factory", {keyword: value})``: each preprocessing actor calls ``factory(**keywords)``
     once when it starts and the callable it returns with every work item before processing it (for
     tracing, or the soak bench's real faults: ``datasvc.tools.bench.faults``). Empty: none."""
-    filters: tuple[str, ...] = ()
+    filters: tuple[str, ...] = field(default=(), metadata=RESUME_IF_SET)
     """Rules a sample must pass, e.g. ("similarity>=0.28", "status==success", "image_min_side>=64");
     the others are counted as skipped_by_rule under the rule (grammar: datasvc.read.filters)."""
-    blend: str = ""
+    blend: str = field(default="", metadata=RESUME_IF_SET | {"as": "_blend_sources"})
     """Datasets drawn in fixed proportions: ``NAME=PATTERN:WEIGHT,...`` or a YAML file (grammar:
     datasvc.read.blend). ``shards`` may then be left empty: it becomes every pattern the blend names."""
-    balance_dp: bool = False
+    balance_dp: bool = field(default=False, metadata=RESUME_IF_SET | {"as": "_balance_identity"})
     """Deal each optimizer step's micro-batches of all DP ranks so that the costliest rank is as cheap
     as possible (``datasvc.stream.balanced``): every feeder plans every rank's micro-batches from image
     headers, then decodes only its share. Needs ``micro_batches_per_step``."""
@@ -205,22 +216,24 @@ class ServiceConfig:
         return {"GLIBC_TUNABLES": tunables} if tunables else {}
 
     def fingerprint(self) -> str:
-        """What must match for a saved loader state to be restored exactly."""
-        keys = ("shards", "pipeline", "pipeline_options", "seq_len", "micro_batch_size", "pack", "dp_size",
-                "seed", "samples_per_item", "items_per_block")
-        d = asdict(self)
-        fields = {k: d[k] for k in keys}
-        if self.blocks_span_epochs:  # only when set, so states saved before the option still restore
-            fields["blocks_span_epochs"] = True
-        if self.filters:
-            fields["filters"] = list(self.filters)
-        if self.blend:  # the sources as parsed, so an edited blend file is a different stream
-            fields["blend"] = [[s.name, list(s.shards), s.weight] for s in parse_blend(self.blend)]
-        if self.remainder:
-            fields["remainder"] = hashlib.sha1(json.dumps(self.remainder, sort_keys=True).encode()).hexdigest()
-        if self.chain_blocks != 1:
-            fields["chain_blocks"] = self.chain_blocks
-        if self.balance_dp:
-            fields["balance_dp"] = [self.micro_batches_per_step, self.balance_cost]
+        """What must match for a saved loader state to be restored exactly: the fields marked ``RESUME``
+        (and ``RESUME_IF_SET`` ones that differ from their defaults), each as its ``as`` method gives it."""
+        fields = {}
+        for f in dataclasses.fields(self):
+            when = f.metadata.get("resume")
+            value = getattr(self, f.name)
+            if when is None or (when == "if_set" and value == _default(f)):
+                continue
+            fields[f.name] = getattr(self, f.metadata["as"])() if "as" in f.metadata else value
         blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+    def _remainder_digest(self) -> str:
+        return hashlib.sha1(json.dumps(self.remainder, sort_keys=True).encode()).hexdigest()
+
+    def _blend_sources(self) -> list:
+        """The sources as parsed, so an edited blend file is a different stream."""
+        return [[s.name, list(s.shards), s.weight] for s in parse_blend(self.blend)]
+
+    def _balance_identity(self) -> list:
+        return [self.micro_batches_per_step, self.balance_cost]

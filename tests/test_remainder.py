@@ -50,3 +50,24 @@ def test_resume_at_another_dp_size_trains_each_remaining_sample_once(photo_shard
         assert max(got.values()) == 1 and sum(got.values()) >= sum(want.values()) - 6
     else:
         assert got == want  # every sample of the epoch, exactly once over both runs
+
+
+def test_the_resume_fingerprint_is_the_fields_marked_for_it():
+    """Every field marked RESUME changes the fingerprint, no other field does, and the value a
+    checkpoint of an earlier release holds is unchanged (states saved then still restore)."""
+    import dataclasses
+
+    from datasvc.config import ServiceConfig
+
+    base = ServiceConfig(shards=("a.tar",))
+    assert base.fingerprint() == "1d661681dfc65cc8"
+    changed = {"shards": ("b.tar",), "pipeline_options": {"max_pixels": 65536}, "seq_len": 1024, "micro_batch_size": 2,
+               "pack": False, "dp_size": 2, "seed": 1, "samples_per_item": 4, "items_per_block": 2,
+               "blocks_span_epochs": True, "chain_blocks": 4, "filters": ("similarity>=0.2",),
+               "remainder": {"first_epoch": 1, "trained": {}}}
+    for name, value in changed.items():
+        assert dataclasses.replace(base, **{name: value}).fingerprint() != base.fingerprint(), name
+    marked = {f.name for f in dataclasses.fields(ServiceConfig) if f.metadata.get("resume")}
+    assert marked == set(changed) | {"pipeline", "blend", "balance_dp"}
+    for name, value in {"max_actors": 8, "prefetch": 4, "decode": "gpu", "replan_on_dataset_change": True}.items():
+        assert dataclasses.replace(base, **{name: value}).fingerprint() == base.fingerprint(), name

@@ -150,7 +150,7 @@ class Feeder:
                 done=self.end is not None, error=self.end.error if self.end else "")
 
     def actor_handles(self) -> list:
-        """The live preprocessing actors (for fault-injection tests and tools)."""
+        """The live preprocessing actors (the profiler meters their CPU time)."""
         return list(self.pool.actors)
 
     def shutdown(self) -> None:
