@@ -147,3 +147,21 @@ def test_bench_allocator_pairs_processes_with_and_without_the_actors_tunables(tm
         for r in (row["actors"], row["torchvision"]):
             assert positive(r["cpu_ms_per_image_median"]["defaults"]) and positive(r["cpu_ms_per_image_median"]["actors"])
             assert r["range"][0] <= r["defaults_over_actors_median"] <= r["range"][1]
+
+
+def test_the_results_index_lists_each_question_with_its_page_hardware_and_stamps(tmp_path):
+    from datasvc.tools.bench.results_index import main
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "how-fast.md").write_text("# How fast is it?\n\nAnswer.\n")
+    run = tmp_path / "results" / "how-fast" / "h200"
+    run.mkdir(parents=True)
+    (run / "a.json").write_text(json.dumps({"date": "2026-12-01T10:00", "commit": "abcdef123 (a note)"}))
+    (run / "b.json").write_text(json.dumps({"date": "2026-12-03", "commit": "1234567"}))
+    (run / "log.txt").write_text("not json")
+    (tmp_path / "results" / "orphan" / "cpu").mkdir(parents=True)
+    assert main([str(tmp_path)]) == 0
+    text = (tmp_path / "results" / "README.md").read_text()
+    assert ("| [How fast is it?](how-fast/) | [page](../benchmarks/how-fast.md) | h200 | 3 | 2026-12-01 to 2026-12-03 | "
+            "1234567, abcdef1 |") in text
+    assert "| [orphan](orphan/) |  | cpu | 0 |  |  |" in text

@@ -67,7 +67,8 @@ def dct_scale(stored_hw: tuple[int, int], target_hw: tuple[int, int]) -> int:
     capped at 0.26 MP; with 1.5x left to the antialiased resize, 0.009, as the full-frame path. The
     1/2 IDCT stays as close to HF with no margin as with 1.5x (0.0090 against 0.0092 at most on
     20 photos of 4-16 MP under a 1 MP cap), and taking it on photos of 2-3x the target's sides
-    cuts the option's CPU time there 1.32x (docs/results/cpu-2core-vm/decode-4x-cap-half-scale-paired.json)."""
+    cuts the option's CPU time there 1.32x
+    (docs/results/cpu-preprocessing-per-core/cpu-2core-vm/decode-4x-cap-half-scale-paired.json)."""
     th, tw = target_hw
     for d in _SCALES:
         h, w = scaled_hw(stored_hw, d)
