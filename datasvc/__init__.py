@@ -31,7 +31,7 @@ _EXPORTS = {
     "DataClient": "datasvc.service.client",
     "ServiceStats": "datasvc.service.client",
     "attach": "datasvc.service.client",
-    "batch_tensors": "datasvc.service.client",
+    "batch_tensors": "datasvc.stream.tensors",
     "BlockProducer": "datasvc.stream.producer",
     "PackedBatch": "datasvc.batch",
     "connect": "datasvc.service.cluster",

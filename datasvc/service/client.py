@@ -4,7 +4,7 @@
 A background thread keeps ``prefetch`` micro-batches in flight: it fetches refs from the rank's
 feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
 tensors (pinned and moved to the GPU when there is one) and expands uint8 pixel rows to float
-``pixel_values`` in patch order. ``save_state``/``restore_state`` give exact resume.
+``pixel_values`` in patch order (``datasvc.stream.tensors``). ``save_state``/``restore_state`` give exact resume.
 """
 from __future__ import annotations
 
@@ -14,13 +14,11 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
-from datasvc.media.vision import to_pixel_values
 from datasvc.pack.plan import Position
 from datasvc.read.shards import expand_shards
 from datasvc.registry import get_layout
@@ -31,6 +29,7 @@ from datasvc.service.feeder import DataServiceError, End, EndOfData, FeederStats
 from datasvc.service.locality import release_budgets, this_node
 from datasvc.stream.loaderstate import LoaderState
 from datasvc.stream.rankstats import StreamTotals
+from datasvc.stream.tensors import batch_tensors
 
 
 class DataClient:
@@ -299,47 +298,6 @@ def attach(cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "v
             if time.monotonic() > deadline:
                 raise DataServiceError(no_feeder(run, dp_rank, wait_s)) from None
             time.sleep(0.25)
-
-
-def batch_tensors(packed: PackedBatch, spec, device: str | None = None, pixel_dtype: str = "float32") -> dict:
-    """A micro-batch as the model takes it: torch tensors (pinned and moved to ``device`` when it is
-    a GPU) with ``pixel_values`` (and ``pixel_values_videos``) made from the uint8 rows. ``spec``:
-    the pipeline's vision spec, ``datasvc.registry.get_layout(cfg.pipeline, **cfg.pipeline_options).vision``."""
-    import torch
-
-    cuda = device is not None and str(device).startswith("cuda")
-
-    def tensor(a: np.ndarray):
-        t = torch.from_numpy(np.array(a, copy=True))  # object-store arrays are read-only
-        if cuda:
-            t = t.pin_memory().to(device, non_blocking=True)
-        return t
-
-    dtype = getattr(torch, pixel_dtype)
-    return {
-        "tokens": tensor(packed.tokens),
-        "labels": tensor(packed.labels),
-        "loss_mask": tensor(packed.loss_mask),
-        "cu_seqlens": tensor(packed.cu_seqlens),
-        "num_samples": tensor(packed.num_samples),
-        "pixel_values": to_pixel_values(tensor(packed.pixels), spec, packed.image_grid_thw, dtype=dtype,
-                                        frames_hw=packed.image_frame_hw),
-        "image_grid_thw": tensor(packed.image_grid_thw),
-        "sample_keys": list(packed.sample_keys),
-        "sample_epochs": [] if packed.sample_epochs is None else packed.sample_epochs.tolist(),
-        **_videos(packed, spec, tensor, dtype),
-    }
-
-
-def _videos(packed: PackedBatch, spec, tensor, dtype) -> dict:
-    """``pixel_values_videos`` and ``video_grid_thw`` when the micro-batch holds videos."""
-    if not len(packed.video_grid_thw):
-        return {}
-    from datasvc.media.video import to_video_pixel_values
-
-    return {"pixel_values_videos": to_video_pixel_values(tensor(packed.video_pixels), spec,
-                                                         packed.video_grid_thw, dtype=dtype),
-            "video_grid_thw": tensor(packed.video_grid_thw)}
 
 
 @dataclass(slots=True)
