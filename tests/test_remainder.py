@@ -71,3 +71,21 @@ def test_the_resume_fingerprint_is_the_fields_marked_for_it():
     assert marked == set(changed) | {"pipeline", "blend", "balance_dp"}
     for name, value in {"max_actors": 8, "prefetch": 4, "decode": "gpu", "replan_on_dataset_change": True}.items():
         assert dataclasses.replace(base, **{name: value}).fingerprint() == base.fingerprint(), name
+
+
+def test_a_loader_state_round_trips_its_checkpoint_form_and_reads_older_ones():
+    from datasvc.pack.plan import Position
+    from datasvc.remainder import TrainedSamples
+    from datasvc.stream.loaderstate import LoaderState
+
+    trained = TrainedSamples()
+    trained.add([0, 0, 1], [3, 5, 2])
+    state = LoaderState("fp", 1, Position(1, 4, 2, 37, ((0, 9), (1, 2))), trained, {"files": 2}, {"first_epoch": 1})
+    saved = state.as_dict()
+    assert list(saved)[:7] == ["fingerprint", "dp_rank", "epoch", "block", "batch", "step", "carry"]
+    back = LoaderState.from_dict(saved)
+    assert back.as_dict() == saved and back.position == state.position
+    assert back.last_delivered == {"epoch": 1, "block": 4, "batch": 1, "step": 36, "carry": [[0, 9], [1, 2]]}
+    older = LoaderState.from_dict({"epoch": 0, "block": 2, "batch": 0, "step": 8})  # saved before the other fields
+    assert (older.fingerprint, older.dp_rank, older.dataset, older.remainder) == ("", -1, None, None)
+    assert older.position == Position(0, 2, 0, 8)
