@@ -6,6 +6,7 @@ queue and pool (``service.feeder.FeederStats``), and the service adds the ranks 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 
 from datasvc.pack.plan import Position
@@ -56,8 +57,9 @@ class RankStats:
                  stages: StageTimes, stream: StreamStats, sources: SourceTotals | None = None,
                  balance: BalanceStats | None = None) -> "RankStats":
         """A copy the producer's threads no longer touch, its rejection log cut to the latest."""
-        acct = copy.deepcopy(accounting)
-        acct.log = acct.log[-REJECTIONS_SHOWN:]
+        acct = Accounting(accounting.read, accounting.delivered, Counter(accounting.quarantined),
+                          Counter(accounting.skipped_by_rule), Counter(accounting.ignored_members),
+                          Counter(accounting.noted), list(accounting.log[-REJECTIONS_SHOWN:]), accounting.max_log)
         return cls(rank, start, position, acct, in_flight, copy.deepcopy(stages), copy.copy(stream),
                    copy.deepcopy(sources), balance)
 
