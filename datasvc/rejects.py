@@ -92,13 +92,6 @@ class Accounting:
         if room > 0:
             self.log.extend(other.log[:room])
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "Accounting":
-        """The inverse of ``as_dict`` (the rejection log stays with the rank that wrote it)."""
-        return cls(read=d["read"], delivered=d["delivered"], quarantined=Counter(d["quarantined"]),
-                   skipped_by_rule=Counter(d["skipped_by_rule"]), ignored_members=Counter(d["ignored_members"]),
-                   noted=Counter(d.get("noted", {})))
-
     @property
     def n_quarantined(self) -> int:
         return sum(self.quarantined.values())

@@ -292,7 +292,7 @@ def test_duplicate_members_and_repeated_keys(tmp_path, photo, qwen3vl, cpu_decod
     # the service's total over ranks keeps what each rank noted
     total = Accounting()
     for _ in range(2):
-        total.merge(Accounting.from_dict(res.accounting.as_dict()))
+        total.merge(res.accounting)
     one = res.accounting
     assert total.noted == {"repeated_key": 2} and total.quarantined == {"duplicate_member": 2}
     assert (total.read, total.delivered) == (2 * one.read, 2 * one.delivered)

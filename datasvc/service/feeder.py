@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import ray
 
@@ -65,12 +65,8 @@ class FeederStats:
     error: str
 
     def as_dict(self) -> dict:
-        return {**self.stream.as_dict(), "queue_depth": self.queue_depth, "queue": self.queue,
-                "bytes_ahead": self.bytes_ahead, "actors": self.actors, "actors_starting": self.actors_starting,
-                "actors_replaced": self.actors_replaced, "items_split": self.items_split,
-                "items_in_flight": self.items_in_flight, "consumer_wait_s": self.consumer_wait_s,
-                "producer_blocked_s": self.producer_blocked_s, "autoscale_decisions": self.autoscale_decisions,
-                **self.placement, "dataset": self.dataset, "done": self.done, "error": self.error}
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stream", "placement")}
+        return {**self.stream.as_dict(), **own, **self.placement}
 
 
 # num_cpus=0: it only moves object refs, so it must not take a CPU slot from the preprocessing actors;

@@ -6,7 +6,6 @@ queue and pool (``service.feeder.FeederStats``), and the service adds the ranks 
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from dataclasses import dataclass, field
 
 from datasvc.pack.plan import Position
@@ -56,12 +55,12 @@ class RankStats:
     def snapshot(cls, rank: int, start: Position, position: Position, accounting: Accounting, in_flight: int,
                  stages: StageTimes, stream: StreamStats, sources: SourceTotals | None = None,
                  balance: BalanceStats | None = None) -> "RankStats":
-        """A copy the producer's threads no longer touch, its rejection log cut to the latest."""
-        acct = Accounting(accounting.read, accounting.delivered, Counter(accounting.quarantined),
-                          Counter(accounting.skipped_by_rule), Counter(accounting.ignored_members),
-                          Counter(accounting.noted), list(accounting.log[-REJECTIONS_SHOWN:]), accounting.max_log)
-        return cls(rank, start, position, acct, in_flight, copy.deepcopy(stages), copy.copy(stream),
-                   copy.deepcopy(sources), balance)
+        """A copy the producer's threads no longer touch, its rejection log cut to the latest
+        (``sources`` and ``balance`` are taken as given: made for this report)."""
+        acct = Accounting(max_log=0)
+        acct.merge(accounting)
+        acct.log = accounting.log[-REJECTIONS_SHOWN:]
+        return cls(rank, start, position, acct, in_flight, copy.deepcopy(stages), copy.copy(stream), sources, balance)
 
     def as_dict(self) -> dict:
         return {
@@ -91,5 +90,5 @@ class StreamTotals:
         self.in_flight += rank.in_flight
         if rank.sources is not None:
             if self.sources is None:
-                self.sources = SourceTotals(dict(rank.sources.weights), {})
+                self.sources = SourceTotals({}, {})
             self.sources.merge(rank.sources)
