@@ -160,29 +160,115 @@ def test_peers_command_parses_every_subcommand():
     from trainer.bench.peers import _parser
 
     ap = _parser()
-    for argv in (["data", "--cores", "2"], ["train", "--mbs-list", "2", "4"], ["all"], ["duplication"],
+    for argv in (["data", "--cores", "2"], ["train", "--mbs-list", "2", "4", "--profile", "llava-sft"], ["all"],
+                 ["duplication"],
                  ["train-one", "--path", "ray-data", "--json", "x.json"]):
         assert ap.parse_args(argv).cmd == argv[0]
 
 
-@pytest.mark.parametrize("path", ["megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu"])
+@pytest.mark.parametrize("path", ["megatron-bridge", "energon-packed", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu"])
 def test_each_training_case_is_a_valid_trainer_job(path, setting):
     """The GPU cases' trainer options parse and validate as ``trainer.run``'s, with the stock step
-    (padded rows) for the peers and packed rows for vlmfeed."""
+    (padded rows) for the padded peers and packed rows for Energon's packing and vlmfeed; nothing
+    recomputed unless asked, the data path's workers as many as its cores."""
     from trainer.bench.peers import _parser
     from trainer.bench.peers_train import trainer_argv
     from trainer.config import from_args
     from trainer.run import parse_args
 
-    args = _parser().parse_args(["train-one", "--path", path, "--json", "x.json", "--mbs", "4"])
+    args = _parser().parse_args(["train-one", "--path", path, "--json", "x.json", "--mbs", "4", "--cores", "6"])
     setting = dataclasses.replace(setting, mbs=4)
     targs = parse_args(trainer_argv(args, setting, path, "out"))
     cfg = from_args(targs)
     cfg.validate(1)
-    assert cfg.train.padded == (not path.startswith("vlmfeed"))
+    assert cfg.train.padded == (path in ("megatron-bridge", "ray-data"))
     assert (targs.decode == "gpu") == (path == "vlmfeed-gpu")
     assert targs.max_pixels == setting.max_pixels and cfg.train.seq_len == setting.seq_len
-    assert cfg.recompute.granularity == "full"  # MBS 4 takes the memory settings of trainer.bench.cases
+    assert cfg.recompute.granularity == "none" and targs.num_layers is None  # the depth proxy, as it fits
+    assert targs.data_actors == [6, 6]
+
+
+ENERGON_PROBE = """
+import json, sys
+from tests.test_peers import SETTING, check
+from pipelines.qwen3vl.data import TOKENS
+from trainer.bench.peers_energon import EnergonPackedPath
+
+path = EnergonPackedPath(SETTING, sys.argv[1], pad_id=TOKENS.pad, num_workers=1, packing_buffer_size=12)
+try:
+    batches = [next(path) for _ in range(4)]
+finally:
+    path.close()
+print(json.dumps({"counts": [check(b, SETTING) for b in batches],
+                  "samples": [b["num_samples"].tolist() for b in batches],
+                  "keys": [k for b in batches for k in b["sample_keys"]]}))
+"""
+
+
+def test_energon_packing_yields_packed_rows_in_the_rank_contract(tmp_path):
+    """Energon's own loader (``energon prepare``d shards, one real worker process, its packing
+    buffer calling our first-fit-decreasing) makes packed rows the THD step takes."""
+    pytest.importorskip("megatron.energon")
+    done = subprocess.run([sys.executable, "-c", ENERGON_PROBE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(c["rows"] == SETTING.mbs and c["width"] == SETTING.seq_len for c in probe["counts"])
+    assert all(n > 1 for row in probe["samples"] for n in row)  # several samples a row
+    # A buffer of 12 holds the whole dataset, and its packs fill one micro-batch: every sample once.
+    assert sorted(probe["keys"][:12]) == sorted({s["key"].split("/")[-1] for s in shard_samples(SHARDS)})
+    assert probe["counts"][0]["images"] == 15
+
+
+def test_first_fit_decreasing_fills_bins_longest_first():
+    from trainer.bench.peers_energon import first_fit_decreasing
+
+    bins = first_fit_decreasing(list("abcdef"), [700, 300, 500, 200, 400, 900], 1000)
+    lengths = dict(zip("abcdef", [700, 300, 500, 200, 400, 900]))
+    assert all(sum(lengths[x] for x in b) <= 1000 for b in bins)
+    assert sorted(x for b in bins for x in b) == list("abcdef")
+    assert bins == [["f"], ["a", "b"], ["c", "e"], ["d"]]  # 200 fits none of the first three
+
+
+def test_the_data_path_gets_its_cores_and_the_ranks_the_rest():
+    from trainer.bench.peers_measure import split_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    data, ranks = split_cores(1)
+    if len(cores) > 1:
+        assert data == {cores[0]} and ranks == set(cores[1:])
+    assert split_cores(None) == (set(cores), set(cores)) == split_cores(len(cores) + 4)
+
+
+def test_pinning_moves_every_thread_of_a_child():
+    from trainer.bench.peers_measure import pin_children
+
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\ntime.sleep(30)"])
+    try:
+        import time
+
+        time.sleep(1.0)
+        one = {sorted(os.sched_getaffinity(0))[0]}
+        assert pin_children(os.getpid(), one) >= 1
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) >= 2 and all(os.sched_getaffinity(int(t)) == one for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_repeats_pool_as_totals_over_totals():
+    from trainer.bench.peers_train import pooled
+
+    fast = {"path": "p", "steady_blocks": {"tokens": [100.0, 100.0], "seconds": [1.0, 1.0]},
+            "samples_trained": 10, "data_cpu_s": 5.0, "data_wait_share": 0.0}
+    slow = {"path": "p", "steady_blocks": {"tokens": [100.0, 100.0], "seconds": [3.0, 3.0]},
+            "samples_trained": 30, "data_cpu_s": 5.0, "data_wait_share": 0.02}
+    out = pooled([fast, slow, {"path": "p", "rc": "timeout"}])
+    assert out["repeats"] == 2 and out["tokens_per_s"] == pytest.approx(400 / 8)  # not the mean of 100 and 33
+    assert out["tokens_per_s_pm_2se"] > 0 and out["cpu_s_per_trained_sample"] == pytest.approx(0.25)
+    assert len(out["runs"]) == 3
 
 
 def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):

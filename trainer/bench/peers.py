@@ -1,17 +1,25 @@
 """Side by side with what users pick instead: ``vlmfeed bench peers`` (``python -m trainer.bench peers``).
 
-    vlmfeed bench peers data  [--cores 2] [--samples 96]     the data paths alone, on CPU
-    vlmfeed bench peers train [--mbs 2 4] [--strategy 3d]    each path feeding the same trainer (GPU)
-    vlmfeed bench peers all   [--out DIR]                    both, then the ratios to vlmfeed
-    vlmfeed bench peers duplication                          the stock path's repeated preprocessing
+    vlmfeed bench peers data  [--cores 8] [--profile llava-sft]   the data paths alone, on CPU
+    vlmfeed bench peers train [--mbs-list 2] [--padded-mbs 4]      each path feeding the same trainer (GPU)
+    vlmfeed bench peers all   [--out DIR]                          both, then the ratios to vlmfeed
+    vlmfeed bench peers duplication                                the stock path's repeated preprocessing
 
-The paths, on the same shards, pixel limits, sequence length and MBS:
+The paths, on the same shards, pixel limits and sequence length:
   megatron-bridge  Megatron-Bridge 0.6.2's own loader (``trainer.bench.peers_stock``): its recipe's
-                   HF dataset config, the HF Qwen3-VL processor in 2 DataLoader workers per rank,
-                   its Qwen-VL collate, padded rows, the stock ``qwen3_vl_step``;
-  ray-data         read_webdataset -> map_batches(HF processor, actor pool) -> streaming_split,
-                   padded rows (``trainer.bench.peers_raydata``), the stock ``qwen3_vl_step``;
-  vlmfeed-cpu/gpu  the data service (CPU or GPU decode), packed rows, our THD forward step.
+                   HF dataset config, the HF Qwen3-VL processor in DataLoader workers (as many as
+                   the data path's cores), its Qwen-VL collate, padded rows, the stock ``qwen3_vl_step``;
+  energon-packed   Megatron-Energon 7.4.1 with its packing API (``trainer.bench.peers_energon``): the
+                   HF processor in Energon's workers, first-fit-decreasing over a packing buffer,
+                   packed rows into our THD forward step;
+  ray-data         read_webdataset -> map_batches(HF processor, actor pool) -> streaming_split with
+                   its resource limits bounded to the data path's cores, padded rows
+                   (``trainer.bench.peers_raydata``), the stock ``qwen3_vl_step``;
+  vlmfeed-cpu/gpu  the data service (CPU or GPU decode) at its defaults, packed rows, our THD step.
+
+Samples: the bundled photos, or ``--profile NAME`` synthetic shards matched to a kind of data users
+train on (``vlmfeed synth --help`` lists the profiles and their sources). ``--cores N``: the data path
+(its workers, actors and Ray's own processes) runs on N cores; the trainer ranks run on the others.
 
 Each path runs in its own process, so the process tree measured (``peers_measure``) holds only that
 path's workers, actors and Ray processes. CPU seconds per sample count every process of the tree
@@ -30,7 +38,9 @@ from datasvc.usage import HelpFormatter
 from trainer.bench.peers_data import STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
 from trainer.bench.peers_measure import Clock, ProcessTreeMeter, ratio
 
-PATHS = ("megatron-bridge", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
+PATHS = ("megatron-bridge", "energon-packed", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
+PADDED = ("megatron-bridge", "ray-data")  # one sample a row, into the stock qwen3_vl_step
+IN_RANK = ("megatron-bridge", "energon-packed")  # DataLoader workers forked by the rank, no Ray
 BASELINE = "vlmfeed-cpu"
 
 
@@ -85,6 +95,10 @@ def open_path(name: str, setting: PeerSetting, work_dir: str, *, workers: int, s
         from trainer.bench.peers_stock import StockPath
 
         return StockPath(setting, work_dir, samples=samples, num_workers=workers)
+    if name == "energon-packed":
+        from trainer.bench.peers_energon import EnergonPackedPath
+
+        return EnergonPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=workers)
     if name == "ray-data":
         from trainer.bench.peers_raydata import RayDataPath, split_for_ranks
 
@@ -116,7 +130,7 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
     meter = ProcessTreeMeter().start()
     t0 = time.perf_counter()
     ray_tmp = None
-    if name != "megatron-bridge":
+    if name not in IN_RANK:
         from datasvc.service.cluster import connect
 
         ray_tmp = tempfile.mkdtemp(prefix="peers-ray-", dir="/tmp")
@@ -263,6 +277,9 @@ def _add_setting(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--min-pixels", type=int, default=STOCK_MIN_PIXELS)
     p.add_argument("--max-pixels", type=int, default=STOCK_MAX_PIXELS)
+    p.add_argument("--profile", default=None, help="synthetic shards of this profile instead of the bundled "
+                                                   "photos (`vlmfeed synth --help` lists them), made once and cached")
+    p.add_argument("--profile-samples", type=int, default=1024, help="samples in the synthetic shards")
     p.add_argument("--work-dir", default=None, help="where the conversion and processor are kept "
                                                     "(default: the cache beside the bundled shards)")
 
@@ -270,7 +287,12 @@ def _add_setting(p: argparse.ArgumentParser) -> None:
 def _setting(args) -> PeerSetting:
     from datasvc.samples import default_shards, large_shards
 
-    shards = args.shards or (large_shards() if getattr(args, "large", False) else default_shards())
+    if args.shards:
+        shards = args.shards
+    elif args.profile:
+        shards = profile_shards(args.profile, args.profile_samples)
+    else:
+        shards = large_shards() if getattr(args, "large", False) else default_shards()
     return PeerSetting(shards=tuple(shards), seq_len=args.seq_len, mbs=args.mbs,
                        min_pixels=args.min_pixels, max_pixels=args.max_pixels)
 
@@ -278,13 +300,24 @@ def _setting(args) -> PeerSetting:
 def _setting_args(args) -> list[str]:
     out = ["--seq-len", str(args.seq_len), "--mbs", str(args.mbs), "--min-pixels", str(args.min_pixels),
            "--max-pixels", str(args.max_pixels), "--work-dir", _work_dir(args)]
+    if args.profile and not args.shards:
+        out += ["--profile", args.profile, "--profile-samples", str(args.profile_samples)]
     return out + (["--shards", *args.shards] if args.shards else [])
 
 
 def _setting_dict(args) -> dict:
     s = _setting(args)
-    return {"shards": len(s.shards), "seq_len": s.seq_len, "mbs": s.mbs, "min_pixels": s.min_pixels,
+    return {"shards": len(s.shards), "profile": args.profile, "seq_len": s.seq_len, "mbs": s.mbs, "min_pixels": s.min_pixels,
             "max_pixels": s.max_pixels}
+
+
+def profile_shards(profile: str, samples: int) -> list[str]:
+    """``samples`` synthetic samples of ``profile`` (seed 0: the same bytes on every host), cached."""
+    from datasvc.samples import cached_tars
+    from datasvc.tools.synth.write import write_shards
+
+    return cached_tars(f"peers-{profile}-{samples}", lambda d: write_shards(
+        d, samples, profile, seed=0, processes=max(1, min(16, os.cpu_count() or 1))))
 
 
 def _work_dir(args) -> str:
@@ -331,9 +364,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def default_workers(path: str, cores: int, given: int | None) -> int:
-    if given:
-        return given
-    return 2 if path == "megatron-bridge" else cores  # Bridge's recipes: num_workers=2 per rank
+    """As many workers or actors as the data path has cores, for every path (Bridge's recipes set 2
+    DataLoader workers a rank, which waits for data on a fast GPU: tuned, it gets the cores)."""
+    return given or cores
 
 
 def main(argv: list[str] | None = None) -> int:

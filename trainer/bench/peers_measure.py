@@ -15,6 +15,41 @@ RAY_SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor", "ra
               "runtime_env_agent", "dashboard_agent")
 
 
+def split_cores(data_cores: int | None) -> tuple[set[int], set[int]]:
+    """(the data path's cores, the trainer ranks' cores) out of this process's: the first
+    ``data_cores`` for the data path, the rest for the ranks (all of them shared when the budget
+    takes every core, or when none is given)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not data_cores or data_cores >= len(cores):
+        return set(cores), set(cores)
+    return set(cores[:data_cores]), set(cores[data_cores:])
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cores`` (an affinity is per thread, and the children
+    a thread starts inherit its own)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that has just exited
+            pass
+
+
+def pin_children(pid: int, cores: set[int]) -> int:
+    """Every descendant of ``pid`` onto ``cores``; returns how many processes were pinned."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return 0
+    for child in children:
+        pin(child.pid, cores)
+    return len(children)
+
+
 def _kind(proc: psutil.Process, root: int, ranks: set[int]) -> str:
     if proc.pid == root:
         return "driver"
@@ -166,6 +201,18 @@ class Clock:
         dc = [b[1] - a[1] for a, b in zip(edges, edges[1:])]
         dn = [b[2] - a[2] for a, b in zip(edges, edges[1:])]
         return ratio_estimate(dn, dt), ratio_estimate(dc, dn)
+
+
+def block_totals(records: list[dict], blocks: int = 5) -> dict:
+    """Tokens and seconds of the steps in ``blocks`` runs of consecutive steps: the rate over a run
+    is the totals' ratio (``ratio_estimate``), where a mean of per-step rates would weigh a short
+    step as much as a long one."""
+    steps = [(r["tokens_per_s"] * r["step_time_s"], r["step_time_s"]) for r in records
+             if r.get("tokens_per_s") is not None and r.get("step_time_s")]
+    size = max(1, len(steps) // blocks)
+    cut = [steps[i:i + size] for i in range(0, size * min(blocks, len(steps)), size)]
+    return {"tokens": [round(sum(t for t, _ in b), 1) for b in cut],
+            "seconds": [round(sum(s for _, s in b), 4) for b in cut]}
 
 
 def ratio_estimate(num: list[float], den: list[float]) -> tuple[float | None, float | None]:

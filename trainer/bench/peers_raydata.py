@@ -32,9 +32,6 @@ class HFQwen3VLEncoder:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict) -> dict:
-        from datasvc.read.formats import sample_messages
-        from datasvc.read.shards import RawSample
-
         out = {"input_ids": [], "labels": [], "loss_mask": [], "pixel_values": [], "image_grid_thw": [],
                "key": [], "worker_pid": []}
         keys = batch["__key__"]
@@ -43,22 +40,30 @@ class HFQwen3VLEncoder:
             images = [Image.open(io.BytesIO(batch[c][i])).convert("RGB") for c in image_columns
                       if _value(batch, c, i) is not None]
             text, doc = _value(batch, "txt", i), _value(batch, "json", i)
-            raw = RawSample("", str(keys[i]), [], text.decode() if text else None, json.loads(doc) if doc else None)
-            messages = hf_messages(sample_messages(raw, len(images)))  # the conversation vlmfeed trains on
-            text = self.processor.apply_chat_template(messages, tokenize=False)
-            enc = self.processor(text=[text], images=images or None, return_tensors="np")
-            ids = np.asarray(enc["input_ids"][0], dtype=np.int64)
-            mask = self._assistant_mask(ids)
-            labels = np.full_like(ids, -100)
-            labels[:-1] = np.where(mask[1:] > 0, ids[1:], -100)
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["loss_mask"].append(np.concatenate([mask[1:], [0.0]]).astype(np.float32))
-            out["pixel_values"].append(np.asarray(enc["pixel_values"], dtype=np.float32))
-            out["image_grid_thw"].append(np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3))
+            enc = self.encode(images, text.decode() if text else None, json.loads(doc) if doc else None)
+            for k, v in enc.items():
+                out[k].append(v)
             out["key"].append(str(keys[i]))
             out["worker_pid"].append(self.pid)
         return {k: _column(v) for k, v in out.items()}
+
+    def encode(self, images: list, text: str | None, doc: dict | None) -> dict:
+        """One sample (decoded RGB images, its caption or JSON document) as the HF processor makes
+        it: input_ids, labels (shifted), loss_mask, float32 pixel_values, image_grid_thw."""
+        from datasvc.read.formats import sample_messages
+        from datasvc.read.shards import RawSample
+
+        raw = RawSample("", "", [], text, doc)
+        messages = hf_messages(sample_messages(raw, len(images)))  # the conversation vlmfeed trains on
+        chat = self.processor.apply_chat_template(messages, tokenize=False)
+        enc = self.processor(text=[chat], images=images or None, return_tensors="np")
+        ids = np.asarray(enc["input_ids"][0], dtype=np.int64)
+        mask = self._assistant_mask(ids)
+        labels = np.full_like(ids, -100)
+        labels[:-1] = np.where(mask[1:] > 0, ids[1:], -100)
+        return {"input_ids": ids, "labels": labels, "loss_mask": np.concatenate([mask[1:], [0.0]]).astype(np.float32),
+                "pixel_values": np.asarray(enc["pixel_values"], dtype=np.float32),
+                "image_grid_thw": np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3)}
 
     def _assistant_mask(self, ids: np.ndarray) -> np.ndarray:
         """1 on the assistant reply and its <|im_end|> (what Bridge's chat loss supervises)."""
@@ -87,11 +92,20 @@ def _column(values: list) -> np.ndarray:
     return col
 
 
+# Ray Data's read-ahead bound, as its users set it for a trainer that consumes slower than the
+# pool produces: without it the pool runs a whole epoch ahead, and every float32 sample held costs
+# tens of MB of object store.
+READ_AHEAD_BYTES = 2 << 30
+
+
 def build_dataset(setting: PeerSetting, actors: int, batch_size: int = 4):
-    """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``)."""
+    """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``), the pipeline's
+    CPUs and object store bounded by ``DataContext``'s resource limits."""
     import ray.data
 
-    ray.data.DataContext.get_current().enable_progress_bars = False  # a log line per second otherwise
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # a log line per second otherwise
+    ctx.execution_options.resource_limits = ray.data.ExecutionResources(cpu=actors, object_store_memory=READ_AHEAD_BYTES)
     # Raw bytes, decoded in the actors: Ray's default decoder turns images into arrays per row, and
     # a block whose rows hold different members (one image, or two and a conversation) then fails
     # to become one tensor column.

@@ -1,12 +1,22 @@
 """The peers feeding the same trainer on GPUs: ``vlmfeed bench peers train`` (one subprocess per
 case, each its own local Ray cluster, so the process tree measured is that case's alone).
 
-Every case trains the 4-layer 30B-A3B proxy through ``trainer.megatron.loop.train`` with one
-strategy, sequence length and MBS. The padded peers run Megatron-Bridge's stock ``qwen3_vl_step``
-(``--padded``: ``to_stock_batch``); vlmfeed runs packed rows with our THD step. Per case: tokens/s
-and TFLOP/s/GPU (steady steps, five block means for the errors), data-wait share, real-token
-fraction, CPU seconds per trained sample (every process of the tree but the trainer ranks
-themselves, so DataLoader workers forked by a rank count), peak host RSS, time to the first step.
+Every case trains the model ``trainer.run`` picks by default on the GPU (the depth proxy on one
+GPU; ``--proxy 4-layer`` for the 4-layer one) through ``trainer.megatron.loop.train`` with one
+strategy and sequence length. The padded peers run Megatron-Bridge's stock ``qwen3_vl_step``
+(``--padded``: ``to_stock_batch``) at ``--padded-mbs``; the packed paths (Energon's packing,
+vlmfeed) run our THD step at the MBS of the case. Nothing is recomputed unless ``--recompute`` says.
+
+The data path's CPU is budgeted: with ``--cores N`` the case process (and so the local Ray cluster,
+its actors and Ray's own processes) runs on N cores, each trainer rank moves itself to the other
+cores, and DataLoader workers a rank forks are moved back onto the N.
+
+Per case: tokens/s over the whole steady window (totals over totals) with +-2 standard errors from
+block means, TFLOP/s/GPU, data-wait share, real-token fraction, tokens per step, CPU seconds per
+trained sample (every process of the tree but the trainer ranks themselves, so DataLoader workers
+forked by a rank count), peak host RSS, time to the first step. Each case writes its JSON as it
+ends, and a rerun of the same command skips the cases already written: a sweep longer than one
+sitting runs in several.
 """
 from __future__ import annotations
 
@@ -14,13 +24,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-from trainer.bench.peers_measure import ProcessTreeMeter, block_means, mean_se, ratio
+from trainer.bench.peers_measure import ProcessTreeMeter, block_means, block_totals, mean_se, ratio, ratio_estimate
 
-PROXY = ["--num-layers", "4"]
-MEMORY = ["--recompute", "full", "--vision-chunk-patches", "32768"]  # what MBS 4-8 needs to fit (cases.py)
+PROXIES = {"depth": [], "4-layer": ["--num-layers", "4"]}  # depth: what --fit auto picks on one GPU
 
 
 def add_train_parsers(sub, add_setting, paths) -> None:
@@ -31,37 +39,48 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         add_setting(p)
         p.set_defaults(large=True)
         p.add_argument("--strategy", choices=["3d", "fsdp"], default="3d")
-        p.add_argument("--iters", type=int, default=20)
+        p.add_argument("--iters", type=int, default=200)
+        p.add_argument("--proxy", choices=list(PROXIES), default="depth")
+        p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+        p.add_argument("--cores", type=int, default=None, help="host cores for the data path (default: all, "
+                                                               "shared with the trainer ranks)")
+        p.add_argument("--padded-mbs", type=int, default=None, help="MBS of the padded peers (default: the "
+                                                                    "case's); pick it for equal tokens a step")
         p.add_argument("--world-size", type=int, default=1)
         p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--workers", type=int, default=None, help="Bridge DataLoader workers per rank (default "
-                                                                 "its recipes' 2); Ray Data / vlmfeed actors (8)")
+        p.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank, Ray Data or vlmfeed "
+                                                                 "actors (default: --cores, else 8)")
         p.add_argument("--case-timeout", type=int, default=600)
         p.add_argument("--deadline", type=float, default=None,
                        help="seconds from start after which no case starts and a running one is cut short")
         p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "peers-train"))
         if name != "train-one":
             p.add_argument("--paths", nargs="+", default=list(paths), choices=paths)
-            p.add_argument("--mbs-list", type=int, nargs="+", default=[2, 4])
+            p.add_argument("--mbs-list", type=int, nargs="+", default=[2])
+            p.add_argument("--repeats", type=int, default=2)
         else:
             p.add_argument("--path", required=True, choices=paths)
             p.add_argument("--json", required=True)
+            p.add_argument("--repeat", type=int, default=0)
         if name == "all":
-            p.add_argument("--cores", type=int, default=16, help="host cores for the data paths alone")
             p.add_argument("--samples", type=int, default=96, help="samples each data path alone drains")
+
+
+def workers(args) -> int:
+    return args.workers or args.cores or 8
 
 
 def trainer_argv(args, setting, path: str, out: str) -> list[str]:
     """``trainer.run``'s options for one case (its job builder then checks and sizes them)."""
-    actors = str(args.workers or 8)
+    from trainer.bench.peers import PADDED
+
+    actors = str(workers(args))
     argv = ["qwen3vl", "--shards", *setting.shards, "--seq-len", str(setting.seq_len), "--mbs", str(setting.mbs),
             "--strategy", args.strategy, "--train-iters", str(args.iters), "--world-size", str(args.world_size),
             "--tp", str(args.tp), "--min-pixels", str(setting.min_pixels), "--max-pixels", str(setting.max_pixels),
             "--data-actors", actors, actors, "--decode", "gpu" if path == "vlmfeed-gpu" else "cpu",
-            "--out", out, *PROXY]
-    if setting.mbs >= 4:
-        argv += MEMORY
-    if not path.startswith("vlmfeed"):
+            "--recompute", args.recompute, "--out", out, *PROXIES[args.proxy]]
+    if path in PADDED:
         argv.append("--padded")  # one sample a row into the stock qwen3_vl_step
     return argv
 
@@ -81,19 +100,48 @@ class Counted:
         return b
 
 
-def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str, source) -> tuple[list, int]:
-    """Inside each trainer actor: open the path for this rank, train, return (records, samples)."""
+class PinnedWorkers:
+    """The rank's iterator; once it has started its DataLoader workers (forked from the rank, so on
+    the rank's cores), they are moved onto the data path's cores."""
+
+    def __init__(self, inner, cores: set[int]):
+        self.inner, self.cores, self.pinned = inner, cores, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        b = next(self.inner)
+        if not self.pinned:
+            from trainer.bench.peers_measure import pin_children
+
+            self.pinned = pin_children(os.getpid(), self.cores)
+        return b
+
+
+def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str, source,
+              cores: tuple[set[int], set[int]]) -> tuple[list, int]:
+    """Inside each trainer actor: move onto the ranks' cores, open the path for this rank, train,
+    return (records, samples)."""
     import logging
 
+    from trainer.bench.peers_measure import pin
     from trainer.megatron.loop import MegatronRank, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    data_cores, rank_cores = cores
+    pin(os.getpid(), rank_cores)
     dp = layout.dp_size
     if path == "megatron-bridge":
         from trainer.bench.peers_stock import StockPath
 
-        inner = StockPath(setting, work_dir, samples=cfg.train.train_iters * cfg.train.gbs, dp_rank=layout.dp_rank,
-                          dp_size=dp, num_workers=source)
+        inner = PinnedWorkers(StockPath(setting, work_dir, samples=cfg.train.train_iters * cfg.train.gbs,
+                                        dp_rank=layout.dp_rank, dp_size=dp, num_workers=source), data_cores)
+    elif path == "energon-packed":
+        from trainer.bench.peers_energon import EnergonPackedPath
+
+        inner = PinnedWorkers(EnergonPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=source,
+                                                dp_rank=layout.dp_rank, dp_size=dp), data_cores)
     elif path == "ray-data":
         from trainer.bench.peers_raydata import RayDataPath
 
@@ -125,7 +173,11 @@ def train_one(args, setting, work_dir: str) -> dict:
     from trainer.summary import steady_window, summarize
     from trainer.workers import RankLayout, WorkerGroup
 
-    out = os.path.join(args.out, f"{args.path}-mbs{setting.mbs}")
+    from trainer.bench.peers_measure import pin, split_cores
+
+    cores = split_cores(args.cores)
+    pin(os.getpid(), cores[0])  # before Ray starts: its processes and actors inherit the data cores
+    out = os.path.join(args.out, case_name(args.path, setting.mbs, args.repeat))
     job = build_job(parse_args(trainer_argv(args, setting, args.path, out)))
     cfg, world = job.cfg, job.world
     if args.path == "ray-data" and cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp > 1:
@@ -137,6 +189,10 @@ def train_one(args, setting, work_dir: str) -> dict:
         from trainer.bench.peers_stock import StockPath
 
         StockPath(setting, work_dir, samples=1, num_workers=0).close()
+    if args.path == "energon-packed":
+        from trainer.bench.peers_energon import prepared_dataset
+
+        prepared_dataset(setting, work_dir)
     meter = ProcessTreeMeter().start()
     t0 = time.time()
     group = WorkerGroup(world, use_gpu=True, gpu_per_rank=job.gpu_per_rank, env=rank_env(cfg.train.expandable_segments))
@@ -149,7 +205,7 @@ def train_one(args, setting, work_dir: str) -> dict:
             from datasvc.service.client import DataService
 
             service = DataService(job.data_cfg, run=job.run)
-        refs = [a.run.remote(peer_rank, args.path, cfg, setting, work_dir, lay, job.metrics_path, src)
+        refs = [a.run.remote(peer_rank, args.path, cfg, setting, work_dir, lay, job.metrics_path, src, cores)
                 for a, lay, src in zip(group.actors, layouts, sources)]
         first_step_s = _wait(refs, job.metrics_path, t0)
         results = ray.get(refs)
@@ -166,8 +222,12 @@ def train_one(args, setting, work_dir: str) -> dict:
         summary.pop(key, None)
     steady = steady_window(records)
     data_cpu = cpu["data_workers"] + cpu["ray_system"] + cpu["driver"]
-    return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, **summary,
-            "tokens_per_s_blocks": list(mean_se(block_means([r["tokens_per_s"] for r in steady]))),
+    return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, "proxy": args.proxy,
+            "repeat": args.repeat, "data_cores": len(cores[0]), "rank_cores": len(cores[1]),
+            "workers": workers(args), "recompute": args.recompute, **summary,
+            "steady_blocks": block_totals(steady),
+            "tokens_per_step": round(sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / len(steady), 1)
+            if steady else None,
             "tflops_blocks": list(mean_se(block_means([r.get("tflops_per_gpu") for r in steady]))),
             "samples_trained": samples, "time_to_first_step_s": first_step_s,
             "data_cpu_s": round(data_cpu, 2), "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
@@ -180,10 +240,10 @@ def _sources(args, setting, job, layouts) -> list:
     if args.path == "ray-data":
         from trainer.bench.peers_raydata import split_for_ranks
 
-        splits = split_for_ranks(setting, job.dp, args.workers or 8)
+        splits = split_for_ranks(setting, job.dp, workers(args))
         return [splits[lay.dp_rank] for lay in layouts]
-    if args.path == "megatron-bridge":
-        return [args.workers] * len(layouts)
+    if args.path in ("megatron-bridge", "energon-packed"):
+        return [workers(args)] * len(layouts)
     return [(job.data_cfg, job.run)] * len(layouts)
 
 
@@ -200,35 +260,82 @@ def _wait(refs, metrics_path: str, t0: float) -> float | None:
     return first
 
 
+def case_name(path: str, mbs: int, repeat: int) -> str:
+    return f"{path}-mbs{mbs}-r{repeat}"
+
+
 def train_all(args, setting, setting_args: list[str]) -> dict:
-    """Every (MBS, path) case in its own process; per MBS the ratios to vlmfeed's CPU path."""
+    """Every (MBS, repeat, path) case in its own process, repeats interleaved so that a drift of the
+    host spreads over every path; a case whose JSON is in ``--out`` already is read, not rerun. Per
+    MBS: each path's repeats pooled, and the ratios to vlmfeed's CPU path."""
     if not _has_gpu():
         return {"skipped": "no CUDA GPU here: run `vlmfeed bench peers train` on the GPU host"}
+    from trainer.bench.peers import PADDED
+
+    os.makedirs(args.out, exist_ok=True)
     out: dict = {}
     start = time.time()
     for mbs in args.mbs_list:
-        cases = {}
-        for path in args.paths:
-            timeout = args.case_timeout
-            if args.deadline is not None:
-                timeout = min(timeout, int(args.deadline - (time.time() - start)))
-                if timeout < 90:
-                    cases[path] = {"path": path, "rc": "skipped (deadline)"}
+        runs: dict[str, list] = {p: [] for p in args.paths}
+        for repeat in range(args.repeats):
+            for path in args.paths:
+                case_mbs = (args.padded_mbs or mbs) if path in PADDED else mbs
+                name = case_name(path, case_mbs, repeat)
+                done = os.path.join(args.out, name + ".json")
+                if os.path.exists(done):
+                    runs[path].append(json.load(open(done)))
                     continue
-            with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
-                cmd = [sys.executable, "-m", "trainer.bench.peers", "train-one", "--path", path, "--json", f.name,
-                       *_with_mbs(setting_args, mbs), "--strategy", args.strategy, "--iters", str(args.iters),
-                       "--world-size", str(args.world_size), "--tp", str(args.tp), "--out", args.out]
-                cmd += ["--workers", str(args.workers)] if args.workers else []
-                print(f"[peers] train: {path} mbs {mbs}", flush=True)
+                timeout = args.case_timeout
+                if args.deadline is not None:
+                    timeout = min(timeout, int(args.deadline - (time.time() - start)))
+                    if timeout < 120:
+                        print(f"[peers] {name}: not started (deadline); rerun the command to go on", flush=True)
+                        continue
+                cmd = [sys.executable, "-m", "trainer.bench.peers", "train-one", "--path", path, "--json", done,
+                       "--repeat", str(repeat), *_with_mbs(setting_args, case_mbs), *_case_args(args)]
+                print(f"[peers] train: {name}", flush=True)
                 t0 = time.time()
                 rc = _run(cmd, timeout)
-                cases[path] = json.load(open(f.name)) if rc == 0 and os.path.getsize(f.name) else \
-                    _partial(path, rc, os.path.join(args.out, f"{path}-mbs{mbs}", "metrics.jsonl"), time.time() - t0)
-            print(f"[peers] {path} mbs {mbs}: " + json.dumps({k: cases[path].get(k) for k in (
-                "tokens_per_s", "tflops_per_gpu", "data_wait_share", "cpu_s_per_trained_sample", "rc")}), flush=True)
+                if rc == 0 and os.path.exists(done):
+                    runs[path].append(json.load(open(done)))
+                else:
+                    runs[path].append(_partial(path, rc, os.path.join(args.out, name, "metrics.jsonl"), time.time() - t0))
+                print(f"[peers] {name}: " + json.dumps({k: runs[path][-1].get(k) for k in (
+                    "tokens_per_s", "tokens_per_step", "data_wait_share", "cpu_s_per_trained_sample", "rc")}),
+                      flush=True)
+        cases = {p: pooled(r) for p, r in runs.items() if r}
         _ratios(cases)
         out[f"mbs{mbs}"] = cases
+    return out
+
+
+def _case_args(args) -> list[str]:
+    out = ["--strategy", args.strategy, "--iters", str(args.iters), "--world-size", str(args.world_size),
+           "--tp", str(args.tp), "--out", args.out, "--proxy", args.proxy, "--recompute", args.recompute]
+    out += ["--workers", str(args.workers)] if args.workers else []
+    return out + (["--cores", str(args.cores)] if args.cores else [])
+
+
+def pooled(runs: list[dict]) -> dict:
+    """A path's repeats as one figure: tokens/s as total tokens over total seconds of every steady
+    block of every repeat, +-2 standard errors from those blocks; CPU per trained sample as totals
+    over totals; the repeats themselves kept."""
+    finished = [r for r in runs if "steady_blocks" in r]
+    out = {"path": runs[0].get("path"), "repeats": len(finished), "runs": runs}
+    if not finished:
+        return out
+    tokens = [t for r in finished for t in r["steady_blocks"]["tokens"]]
+    seconds = [s for r in finished for s in r["steady_blocks"]["seconds"]]
+    rate, se = ratio_estimate(tokens, seconds)
+    out["tokens_per_s"], out["tokens_per_s_blocks"] = round(rate, 1), [rate, se]
+    out["tokens_per_s_pm_2se"] = round(2 * se, 1) if se is not None else None
+    samples = sum(r.get("samples_trained") or 0 for r in finished)
+    cpu = sum(r.get("data_cpu_s") or 0 for r in finished)
+    out["cpu_s_per_trained_sample"] = round(cpu / samples, 4) if samples else None
+    for key in ("mbs", "tokens_per_step", "data_wait_share", "real_token_fraction", "tflops_per_gpu",
+                "peak_mem_gib", "peak_host_rss_gib", "time_to_first_step_s", "data_cores", "workers"):
+        vals = [r[key] for r in finished if r.get(key) is not None]
+        out[key] = round(sum(vals) / len(vals), 4) if vals else None
     return out
 
 
@@ -265,7 +372,6 @@ def _ratios(cases: dict) -> None:
     for r in cases.values():
         if "tokens_per_s_blocks" in r and "tokens_per_s_blocks" in base:
             r["tokens_per_s_vs_vlmfeed"] = ratio(tuple(r["tokens_per_s_blocks"]), tuple(base["tokens_per_s_blocks"]))
-            r["tflops_vs_vlmfeed"] = ratio(tuple(r["tflops_blocks"]), tuple(base["tflops_blocks"]))
         if r.get("cpu_s_per_trained_sample") and base.get("cpu_s_per_trained_sample"):
             r["cpu_per_sample_vs_vlmfeed"] = round(r["cpu_s_per_trained_sample"] / base["cpu_s_per_trained_sample"], 3)
 
