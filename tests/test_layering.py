@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("datasvc", "pipelines", "trainer")
 
+# The modules of datasvc.service that hold a feeder's decisions (its queue, its scaling) without Ray.
+RAY_FREE_SERVICE = ("datasvc.service.ready", "datasvc.service.scaling")
 # (importer prefix, imported prefix, why it must never happen). The most specific importer wins:
 # the tools and the benches are users of the product, so they may reach what the product may not.
 FORBIDDEN = [
@@ -29,6 +31,8 @@ FORBIDDEN = [
     ("trainer", "datasvc.tools", "the trainer uses the product, not the tools"),
     ("trainer", "trainer.bench", "the trainer does not depend on its benchmarks"),
     ("trainer", "pipelines", "the trainer reaches a model's facts by pipeline name (datasvc.registry.pipeline_part)"),
+    ("datasvc.stream", "ray", "a rank's stream runs in one process too (inspect, the benches, the soak)"),
+    *((module, "ray", "the feeder's logic stays out of the actor, tested without Ray") for module in RAY_FREE_SERVICE),
 ]
 ALLOWED = [  # importer prefix -> imported prefixes it may use despite FORBIDDEN above
     ("datasvc.registry", ("pipelines",)),
@@ -311,6 +315,7 @@ def broken_tree(tmp_path) -> Path:
     _write(tmp_path, "datasvc/media/decode.py", "from datasvc.stream.process import WorkItem\n")  # a later stage
     _write(tmp_path, "datasvc/stream/process.py", "from datasvc.media import decode\n")
     _write(tmp_path, "datasvc/stray.py", "")  # on no floor
+    _write(tmp_path, "datasvc/service/ready.py", "import ray\n")  # Ray where the logic is kept free of it
     _write(tmp_path, "pipelines/qwen3vl/data.py", "PAD = 151643\nfrom datasvc.read import shards\n")
     _write(tmp_path, "trainer/cpu.py", "from pipelines.qwen35vl.data import TOKENS\n")  # a model fact, leaked
     _write(tmp_path, "pipelines/qwen35vl/data.py", "PAD = 248044\n")
@@ -325,6 +330,7 @@ def test_checker_flags_a_wrong_direction(broken_tree):
     assert any(f.startswith("datasvc.read.shards imports trainer.run") for f in found), found
     assert any(f.startswith("datasvc.lazy imports datasvc.tools") for f in found), found
     assert any(f.startswith("trainer.cpu imports pipelines.qwen35vl.data") for f in found), found
+    assert any(f.startswith("datasvc.service.ready imports ray") for f in found), found
     # The allowed directions stay quiet: tools -> product, pipeline -> product, trainer -> product.
     assert not any(f.startswith(("datasvc.tools.", "pipelines.", "trainer.run")) for f in found), found
 
