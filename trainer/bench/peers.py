@@ -35,12 +35,9 @@ import tempfile
 import time
 
 from datasvc.usage import HelpFormatter
-from trainer.bench.peers_data import STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
+from trainer.bench.peers_data import IN_RANK, PATHS, STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
 from trainer.bench.peers_measure import Clock, ProcessTreeMeter, ratio
 
-PATHS = ("megatron-bridge", "energon-packed", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
-PADDED = ("megatron-bridge", "ray-data")  # one sample a row, into the stock qwen3_vl_step
-IN_RANK = ("megatron-bridge", "energon-packed")  # DataLoader workers forked by the rank, no Ray
 BASELINE = "vlmfeed-cpu"
 
 
@@ -382,12 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("train", "train-one"):
         from trainer.bench.peers_train import train_main
 
-        return train_main(args, _setting(args), _work_dir(args), _setting_args(args))
+        return train_main(args, _setting(args), _work_dir(args), _setting_args(args), _setting_args)
     rep = {"data_alone": data_all(args)}
     if args.cmd == "all":
         from trainer.bench.peers_train import train_all
 
-        rep["training"] = train_all(args, _setting(args), _setting_args(args))
+        rep["training"] = train_all(args, _setting(args), _setting_args(args), _setting_args)
         args.out = os.path.join(args.out, "bench-peers.json")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -58,6 +58,8 @@ def add_train_parsers(sub, add_setting, paths) -> None:
             p.add_argument("--paths", nargs="+", default=list(paths), choices=paths)
             p.add_argument("--mbs-list", type=int, nargs="+", default=[2])
             p.add_argument("--repeats", type=int, default=2)
+            p.add_argument("--profiles", nargs="+", default=None, help="a grid over these profiles (each its own folder)")
+            p.add_argument("--cores-list", type=int, nargs="+", default=None, help="a grid over these data-path budgets")
         else:
             p.add_argument("--path", required=True, choices=paths)
             p.add_argument("--json", required=True)
@@ -72,7 +74,7 @@ def workers(args) -> int:
 
 def trainer_argv(args, setting, path: str, out: str) -> list[str]:
     """``trainer.run``'s options for one case (its job builder then checks and sizes them)."""
-    from trainer.bench.peers import PADDED
+    from trainer.bench.peers_data import PADDED
 
     actors = str(workers(args))
     argv = ["qwen3vl", "--shards", *setting.shards, "--seq-len", str(setting.seq_len), "--mbs", str(setting.mbs),
@@ -264,17 +266,35 @@ def case_name(path: str, mbs: int, repeat: int) -> str:
     return f"{path}-mbs{mbs}-r{repeat}"
 
 
-def train_all(args, setting, setting_args: list[str]) -> dict:
+def train_all(args, setting, setting_args: list[str], setting_args_of) -> dict:
+    """Every (profile, cores) grid of cases (``--profiles``, ``--cores-list``; else the one setting
+    given), each grid under its own folder of ``--out``; ``setting_args_of(args)``: the setting's
+    options for a grid's ``train-one`` processes."""
+    if not _has_gpu():
+        return {"skipped": "no CUDA GPU here: run `vlmfeed bench peers train` on the GPU host"}
+    import argparse
+
+    profiles, cores_list = args.profiles or [args.profile], args.cores_list or [args.cores]
+    if len(profiles) == len(cores_list) == 1:
+        return train_grid(args, setting_args, time.time())
+    out, start = {}, time.time()
+    for profile in profiles:
+        for cores in cores_list:
+            name = f"{profile or 'photos'}-{cores or 'all'}-cores"
+            sub = argparse.Namespace(**{**vars(args), "profile": profile, "cores": cores,
+                                        "out": os.path.join(args.out, name)})
+            out[name] = train_grid(sub, setting_args_of(sub), start)
+    return out
+
+
+def train_grid(args, setting_args: list[str], start: float) -> dict:
     """Every (MBS, repeat, path) case in its own process, repeats interleaved so that a drift of the
     host spreads over every path; a case whose JSON is in ``--out`` already is read, not rerun. Per
     MBS: each path's repeats pooled, and the ratios to vlmfeed's CPU path."""
-    if not _has_gpu():
-        return {"skipped": "no CUDA GPU here: run `vlmfeed bench peers train` on the GPU host"}
-    from trainer.bench.peers import PADDED
+    from trainer.bench.peers_data import PADDED
 
     os.makedirs(args.out, exist_ok=True)
     out: dict = {}
-    start = time.time()
     for mbs in args.mbs_list:
         runs: dict[str, list] = {p: [] for p in args.paths}
         for repeat in range(args.repeats):
@@ -382,9 +402,9 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def train_main(args, setting, work_dir: str, setting_args: list[str]) -> int:
+def train_main(args, setting, work_dir: str, setting_args: list[str], setting_args_of) -> int:
     if args.cmd == "train":
-        rep = train_all(args, setting, setting_args)
+        rep = train_all(args, setting, setting_args, setting_args_of)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "bench-peers-train.json")
         with open(path, "w") as f:
