@@ -269,6 +269,10 @@ def test_repeats_pool_as_totals_over_totals():
     assert out["repeats"] == 2 and out["tokens_per_s"] == pytest.approx(400 / 8)  # not the mean of 100 and 33
     assert out["tokens_per_s_pm_2se"] > 0 and out["cpu_s_per_trained_sample"] == pytest.approx(0.25)
     assert len(out["runs"]) == 3
+    from trainer.bench.peers_train import table
+
+    text = table({"mbs2": {"p": out, "q": pooled([{"path": "q", "rc": "timeout"}])}})
+    assert "| 50 +- " in text and "did not finish: ['timeout']" in text
 
 
 def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):

@@ -402,6 +402,25 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def table(grid: dict) -> str:
+    """One grid's cases as a markdown table (what the docs page holds)."""
+    head = ("| MBS | path | repeats | tokens/s +-2 s.e. | x vlmfeed (CPU) | tokens/step | data wait | row fill "
+            "| data CPU-s / trained sample | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for key, cases in grid.items():
+        for path, c in cases.items():
+            if not c.get("tokens_per_s"):
+                rows.append(f"| {key[3:]} | {path} | 0 | did not finish: {[r.get('rc') for r in c.get('runs', [])]} |"
+                            " | | | | | |")
+                continue
+            vs = c.get("tokens_per_s_vs_vlmfeed") or {}
+            rows.append(f"| {c.get('mbs') or key[3:]:.0f} | {path} | {c['repeats']} | {c['tokens_per_s']:,.0f} "
+                        f"+- {c.get('tokens_per_s_pm_2se') or 0:,.0f} | {vs.get('ratio')} +- {vs.get('pm_2se')} "
+                        f"| {c.get('tokens_per_step') or 0:,.0f} | {100 * (c.get('data_wait_share') or 0):.2f}% "
+                        f"| {c.get('real_token_fraction')} | {c.get('cpu_s_per_trained_sample')} | {c.get('peak_mem_gib')} |")
+    return "\n".join([head, *rows])
+
+
 def train_main(args, setting, work_dir: str, setting_args: list[str], setting_args_of) -> int:
     if args.cmd == "train":
         rep = train_all(args, setting, setting_args, setting_args_of)
@@ -409,6 +428,10 @@ def train_main(args, setting, work_dir: str, setting_args: list[str], setting_ar
         path = os.path.join(args.out, "bench-peers-train.json")
         with open(path, "w") as f:
             json.dump(rep, f, indent=1)
+        grids = rep if rep and all(not k.startswith("mbs") for k in rep) and "skipped" not in rep else {"": rep}
+        for name, grid in grids.items():
+            if isinstance(grid, dict) and "skipped" not in grid:
+                print(f"\n{name}\n{table(grid)}" if name else table(grid))
         print(f"wrote {path}")
         return 0
     rep = train_one(args, setting, work_dir)
