@@ -414,7 +414,7 @@ def table(grid: dict) -> str:
                             " | | | | | |")
                 continue
             vs = c.get("tokens_per_s_vs_vlmfeed") or {}
-            rows.append(f"| {c.get('mbs') or key[3:]:.0f} | {path} | {c['repeats']} | {c['tokens_per_s']:,.0f} "
+            rows.append(f"| {int(c.get('mbs') or key[3:])} | {path} | {c['repeats']} | {c['tokens_per_s']:,.0f} "
                         f"+- {c.get('tokens_per_s_pm_2se') or 0:,.0f} | {vs.get('ratio')} +- {vs.get('pm_2se')} "
                         f"| {c.get('tokens_per_step') or 0:,.0f} | {100 * (c.get('data_wait_share') or 0):.2f}% "
                         f"| {c.get('real_token_fraction')} | {c.get('cpu_s_per_trained_sample')} | {c.get('peak_mem_gib')} |")
