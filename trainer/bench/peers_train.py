@@ -227,6 +227,7 @@ def train_one(args, setting, work_dir: str) -> dict:
     return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, "proxy": args.proxy,
             "repeat": args.repeat, "data_cores": len(cores[0]), "rank_cores": len(cores[1]),
             "workers": workers(args), "recompute": args.recompute, **summary,
+            "data_config": _settings(job.data_cfg) if args.path.startswith("vlmfeed") else None,
             "steady_blocks": block_totals(steady),
             "tokens_per_step": round(sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / len(steady), 1)
             if steady else None,
@@ -235,6 +236,21 @@ def train_one(args, setting, work_dir: str) -> dict:
             "data_cpu_s": round(data_cpu, 2), "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
             "cpu_s_per_trained_sample": round(data_cpu / samples, 4) if samples else None,
             "peak_host_rss_gib": round(meter.peak_rss_gib, 2)}
+
+
+def _settings(cfg) -> dict:
+    """The data service's settings as the case ran them (a rerun compares against these)."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        out[f.name] = value
+    return out
 
 
 def _sources(args, setting, job, layouts) -> list:
