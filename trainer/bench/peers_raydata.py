@@ -99,13 +99,15 @@ READ_AHEAD_BYTES = 2 << 30
 
 
 def build_dataset(setting: PeerSetting, actors: int, batch_size: int = 4):
-    """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``), the pipeline's
-    CPUs and object store bounded by ``DataContext``'s resource limits."""
+    """read_webdataset -> map_batches(HF processor on an actor pool of ``actors``), the read-ahead
+    bounded by ``DataContext``'s object-store limit."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # a log line per second otherwise
-    ctx.execution_options.resource_limits = ray.data.ExecutionResources(cpu=actors, object_store_memory=READ_AHEAD_BYTES)
+    # The object store bounds the read-ahead; CPUs are left to the cluster (the data path's cores),
+    # since a CPU limit equal to the pool would leave the read tasks none.
+    ctx.execution_options.resource_limits = ray.data.ExecutionResources(object_store_memory=READ_AHEAD_BYTES)
     # Raw bytes, decoded in the actors: Ray's default decoder turns images into arrays per row, and
     # a block whose rows hold different members (one image, or two and a conversation) then fails
     # to become one tensor column.
