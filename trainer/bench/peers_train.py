@@ -53,6 +53,8 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         p.add_argument("--case-timeout", type=int, default=600)
         p.add_argument("--deadline", type=float, default=None,
                        help="seconds from start after which no case starts and a running one is cut short")
+        p.add_argument("--min-case-s", type=int, default=120, help="no case starts with less time than this "
+                                                                   "left before the deadline")
         p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "peers-train"))
         if name != "train-one":
             p.add_argument("--paths", nargs="+", default=list(paths), choices=paths)
@@ -324,7 +326,7 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
                 timeout = args.case_timeout
                 if args.deadline is not None:
                     timeout = min(timeout, int(args.deadline - (time.time() - start)))
-                    if timeout < 120:
+                    if timeout < args.min_case_s:
                         print(f"[peers] {name}: not started (deadline); rerun the command to go on", flush=True)
                         continue
                 cmd = [sys.executable, "-m", "trainer.bench.peers", "train-one", "--path", path, "--json", done,
