@@ -13,7 +13,7 @@ import torch
 
 from datasvc.samples import default_shards
 from pipelines.qwen3vl.data import TOKENS
-from trainer.bench.peers_data import PeerSetting, check_contract, shard_samples
+from trainer.bench.peers_data import PATHS, PeerSetting, check_contract, shard_samples
 
 # Two bundled shards: single-image captions and two-image conversations (000003 holds the pairs).
 SHARDS = tuple(default_shards()[2:4])
@@ -166,7 +166,7 @@ def test_peers_command_parses_every_subcommand():
         assert ap.parse_args(argv).cmd == argv[0]
 
 
-@pytest.mark.parametrize("path", ["megatron-bridge", "energon-packed", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu"])
+@pytest.mark.parametrize("path", PATHS)
 def test_each_training_case_is_a_valid_trainer_job(path, setting):
     """The GPU cases' trainer options parse and validate as ``trainer.run``'s, with the stock step
     (padded rows) for the padded peers and packed rows for Energon's packing and vlmfeed; nothing

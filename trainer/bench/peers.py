@@ -12,6 +12,10 @@ The paths, on the same shards, pixel limits and sequence length:
   energon-packed   Megatron-Energon 7.4.1 with its packing API (``trainer.bench.peers_energon``): the
                    HF processor in Energon's workers, first-fit-decreasing over a packing buffer,
                    packed rows into our THD forward step;
+  automodel-packed NeMo AutoModel 0.7.0's VLM packing (``trainer.bench.peers_automodel``): the HF
+                   processor in its DataLoader workers, ``neat_packing_vlm`` planned by
+                   ``greedy_knapsack_vt_balanced`` from image headers, its THD collater, in a process
+                   of its own environment (it pins another transformers), packed rows into our THD step;
   ray-data         read_webdataset -> map_batches(HF processor, actor pool) -> streaming_split with
                    its resource limits bounded to the data path's cores, padded rows
                    (``trainer.bench.peers_raydata``), the stock ``qwen3_vl_step``;
@@ -96,6 +100,10 @@ def open_path(name: str, setting: PeerSetting, work_dir: str, *, workers: int, s
         from trainer.bench.peers_energon import EnergonPackedPath
 
         return EnergonPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=workers)
+    if name == "automodel-packed":
+        from trainer.bench.peers_automodel import AutoModelPackedPath
+
+        return AutoModelPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=workers)
     if name == "ray-data":
         from trainer.bench.peers_raydata import RayDataPath, split_for_ranks
 

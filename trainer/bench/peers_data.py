@@ -39,9 +39,9 @@ QWEN3_VL_CHAT_TEMPLATE = (
 STOCK_MIN_PIXELS = 200704
 STOCK_MAX_PIXELS = 1003520
 
-PATHS = ("megatron-bridge", "energon-packed", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
+PATHS = ("megatron-bridge", "energon-packed", "automodel-packed", "ray-data", "vlmfeed-cpu", "vlmfeed-gpu")
 PADDED = ("megatron-bridge", "ray-data")  # one sample a row, into the stock qwen3_vl_step
-IN_RANK = ("megatron-bridge", "energon-packed")  # DataLoader workers forked by the rank, no Ray
+IN_RANK = ("megatron-bridge", "energon-packed", "automodel-packed")  # processes the rank starts, no Ray
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -146,6 +146,11 @@ def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str,
 
         inner = PinnedWorkers(EnergonPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=source,
                                                 dp_rank=layout.dp_rank, dp_size=dp), data_cores)
+    elif path == "automodel-packed":
+        from trainer.bench.peers_automodel import AutoModelPackedPath
+
+        inner = PinnedWorkers(AutoModelPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=source,
+                                                  dp_rank=layout.dp_rank, dp_size=dp), data_cores)
     elif path == "ray-data":
         from trainer.bench.peers_raydata import RayDataPath
 
@@ -257,12 +262,14 @@ def _settings(cfg) -> dict:
 
 def _sources(args, setting, job, layouts) -> list:
     """Per rank: what its path needs from the driver."""
+    from trainer.bench.peers_data import IN_RANK
+
     if args.path == "ray-data":
         from trainer.bench.peers_raydata import split_for_ranks
 
         splits = split_for_ranks(setting, job.dp, workers(args))
         return [splits[lay.dp_rank] for lay in layouts]
-    if args.path in ("megatron-bridge", "energon-packed"):
+    if args.path in IN_RANK:
         return [workers(args)] * len(layouts)
     return [(job.data_cfg, job.run)] * len(layouts)
 
