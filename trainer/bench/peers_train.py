@@ -2,7 +2,7 @@
 case, each its own local Ray cluster, so the process tree measured is that case's alone).
 
 Every case trains the model ``trainer.run`` picks by default on the GPU (the depth proxy on one
-GPU; ``--proxy 4-layer`` for the 4-layer one) through ``trainer.megatron.loop.train`` with one
+GPU; ``--proxy 4-layer-16-experts`` or ``4-layer-128-experts`` for the 4-layer ones) through ``trainer.megatron.loop.train`` with one
 strategy and sequence length. The padded peers run Megatron-Bridge's stock ``qwen3_vl_step``
 (``--padded``: ``to_stock_batch``) at ``--padded-mbs``; the packed paths (Energon's packing,
 vlmfeed) run our THD step at the MBS of the case. Nothing is recomputed unless ``--recompute`` says.
@@ -28,7 +28,11 @@ import time
 
 from trainer.bench.peers_measure import ProcessTreeMeter, block_means, block_totals, mean_se, ratio, ratio_estimate
 
-PROXIES = {"depth": [], "4-layer": ["--num-layers", "4"]}  # depth: what --fit auto picks on one GPU
+PROXIES = {  # depth: what --fit auto picks on one GPU; the 4-layer proxies by name
+    "depth": [],
+    "4-layer-16-experts": ["--model-preset", "qwen3vl-30b-a3b-4layers-16experts", "--expandable-segments"],
+    "4-layer-128-experts": ["--model-preset", "qwen3vl-30b-a3b-4layers-128experts", "--expandable-segments"],
+}
 
 
 def add_train_parsers(sub, add_setting, paths) -> None:
@@ -85,7 +89,9 @@ def trainer_argv(args, setting, path: str, out: str) -> list[str]:
             "--data-actors", actors, actors, "--decode", "gpu" if path == "vlmfeed-gpu" else "cpu",
             "--recompute", args.recompute, "--out", out, *PROXIES[args.proxy]]
     if path in PADDED:
-        argv.append("--padded")  # one sample a row into the stock qwen3_vl_step
+        # One sample a row, into the stock qwen3_vl_step. The memory planner sizes every row as a full
+        # one of image tokens; a padded row is as wide as its longest sample, so it is left to the GPU.
+        argv += ["--padded", "--fit", "off"]
     return argv
 
 
@@ -106,10 +112,11 @@ class Counted:
 
 class PinnedWorkers:
     """The rank's iterator; once it has started its DataLoader workers (forked from the rank, so on
-    the rank's cores), they are moved onto the data path's cores."""
+    the rank's cores), they are moved onto the data path's cores. ``device``: where the packed THD
+    step takes its tensors (the stock step moves its own)."""
 
-    def __init__(self, inner, cores: set[int]):
-        self.inner, self.cores, self.pinned = inner, cores, 0
+    def __init__(self, inner, cores: set[int], device: str | None = None):
+        self.inner, self.cores, self.device, self.pinned = inner, cores, device, 0
 
     def __iter__(self):
         return self
@@ -120,6 +127,10 @@ class PinnedWorkers:
             from trainer.bench.peers_measure import pin_children
 
             self.pinned = pin_children(os.getpid(), self.cores)
+        if self.device is not None:
+            from trainer.bench.peers_data import gpu_ready
+
+            b = gpu_ready(b, self.device)
         return b
 
 
@@ -145,12 +156,12 @@ def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str,
         from trainer.bench.peers_energon import EnergonPackedPath
 
         inner = PinnedWorkers(EnergonPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=source,
-                                                dp_rank=layout.dp_rank, dp_size=dp), data_cores)
+                                                dp_rank=layout.dp_rank, dp_size=dp), data_cores, "cuda:0")
     elif path == "automodel-packed":
         from trainer.bench.peers_automodel import AutoModelPackedPath
 
         inner = PinnedWorkers(AutoModelPackedPath(setting, work_dir, pad_id=_pad_id(setting), num_workers=source,
-                                                  dp_rank=layout.dp_rank, dp_size=dp), data_cores)
+                                                  dp_rank=layout.dp_rank, dp_size=dp), data_cores, "cuda:0")
     elif path == "ray-data":
         from trainer.bench.peers_raydata import RayDataPath
 
