@@ -16,7 +16,8 @@ import numpy as np
 from datasvc.usage import HelpFormatter
 from trainer.bench.peers_data import PATHS
 
-COLOURS = {"megatron-bridge": "tab:gray", "energon-packed": "tab:orange", "ray-data": "tab:purple",
+COLOURS = {"megatron-bridge": "tab:gray", "energon-packed": "tab:orange", "automodel-packed": "tab:red",
+           "ray-data": "tab:purple",
            "vlmfeed-cpu": "tab:blue", "vlmfeed-gpu": "tab:green"}
 
 
