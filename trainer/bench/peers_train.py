@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -352,6 +353,9 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
                 print(f"[peers] train: {name}", flush=True)
                 t0 = time.time()
                 rc = _run(cmd, timeout)
+                steps = os.path.join(args.out, name, "metrics.jsonl")
+                if os.path.exists(steps):  # every step's record beside the case's summary, kept with it
+                    shutil.copyfile(steps, os.path.join(args.out, name + ".steps.jsonl"))
                 if rc == 0 and os.path.exists(done):
                     runs[path].append(json.load(open(done)))
                 else:
