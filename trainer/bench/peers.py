@@ -394,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
 
         rep["training"] = train_all(args, _setting(args), _setting_args(args), _setting_args)
         args.out = os.path.join(args.out, "bench-peers.json")
+    from datasvc.tools.bench.provenance import stamp
+    from trainer.bench.peers_train import QUESTION
+
+    rep = stamp(rep, QUESTION, "vlmfeed bench peers " + " ".join(sys.argv[1:] if argv is None else argv))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)

@@ -461,20 +461,27 @@ def table(grid: dict) -> str:
     return "\n".join([head, *rows])
 
 
+QUESTION = "How does vlmfeed compare with what I would use instead?"
+
+
 def train_main(args, setting, work_dir: str, setting_args: list[str], setting_args_of) -> int:
+    from datasvc.tools.bench.provenance import stamp
+
+    command = "vlmfeed bench peers " + " ".join(sys.argv[1:])
     if args.cmd == "train":
-        rep = train_all(args, setting, setting_args, setting_args_of)
+        rep = stamp(train_all(args, setting, setting_args, setting_args_of), QUESTION, command)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "bench-peers-train.json")
         with open(path, "w") as f:
             json.dump(rep, f, indent=1)
-        grids = rep if rep and all(not k.startswith("mbs") for k in rep) and "skipped" not in rep else {"": rep}
+        found = {k: v for k, v in rep.items() if isinstance(v, dict)}
+        grids = found if found and all(not k.startswith("mbs") for k in found) else {"": found}
         for name, grid in grids.items():
-            if isinstance(grid, dict) and "skipped" not in grid:
+            if grid and "skipped" not in grid:
                 print(f"\n{name}\n{table(grid)}" if name else table(grid))
         print(f"wrote {path}")
         return 0
-    rep = train_one(args, setting, work_dir)
+    rep = stamp(train_one(args, setting, work_dir), QUESTION, command)
     with open(args.json, "w") as f:
         json.dump(rep, f, indent=1)
     return 0
