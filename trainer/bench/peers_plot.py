@@ -50,10 +50,13 @@ def plot(train: dict[int, dict], data: dict | None, out: str) -> None:
         cpu = [c.get("cpu_s_per_trained_sample") or 0.0 if c else 0.0 for c in cases]
         pos = x + (i - (len(PATHS) - 1) / 2) * width
         axes[0].bar(pos, tok, width, yerr=err, color=COLOURS[path], label=path)
+        for px, c in zip(pos, cases):  # padded peers may run another MBS than the packed paths
+            if c and c.get("mbs"):
+                axes[0].annotate(f"MBS {c['mbs']:.0f}", (px, 0), ha="center", va="bottom", fontsize=6, rotation=90)
         axes[1].bar(pos, cpu, width, color=COLOURS[path], label=path)
-    for ax, ylabel, title in ((axes[0], "tokens / s (steady steps)", "training, same model and MBS"),
+    for ax, ylabel, title in ((axes[0], "tokens / s (steady steps)", "training, same model, each path at its MBS"),
                               (axes[1], "data CPU-s per trained sample", "host CPU the data path spends")):
-        ax.set_xticks(x, [f"MBS {m}" for m in mbs])
+        ax.set_xticks(x, [f"grid MBS {m}" for m in mbs])
         ax.set(ylabel=ylabel, title=title)
         ax.legend(fontsize=7)
     if data:
@@ -65,7 +68,7 @@ def plot(train: dict[int, dict], data: dict | None, out: str) -> None:
         for i, p in enumerate(names):
             ax.annotate(f"{alone[p]['cpu_s_per_sample']:.3f} CPU-s/sample", (i, alone[p]["samples_per_s"]),
                         ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(names)), names, fontsize=7)
+        ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
         ax.set(ylabel="samples / s", title=f"data paths alone, {data['data_alone']['cores']} host cores")
     fig.tight_layout()
     fig.savefig(out, dpi=130)
