@@ -285,3 +285,19 @@ def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):
     assert peers_plot.main([str(runs / "bench-peers-train-mbs2.json"), "--data", str(runs / "peers-data-16-cores.json"),
                             "--out", str(out)]) == 0
     assert out.stat().st_size > 10_000
+
+
+def test_steady_cpu_leaves_start_up_out():
+    """The data path's CPU from the first steady step on, over the samples trained from then on."""
+    from trainer.bench.peers_train import pooled, steady_count, steady_cpu, steady_start
+
+    assert steady_start(200) == 40 and steady_start(5) == 2
+    marks = [3, 7, 10, 14, 17, 21]  # running samples after each micro-batch
+    assert steady_count(marks, 2) == 21 - 7 and steady_count(marks, 0) == 21 and steady_count(marks, 6) == 0
+    start = {"data_workers": 50.0, "ray_system": 5.0, "driver": 3.0, "rank": 99.0}
+    end = {"data_workers": 57.0, "ray_system": 5.5, "driver": 3.5, "rank": 150.0}
+    out = steady_cpu(end, start, 10)
+    assert out["steady_data_cpu_s"] == 8.0 and out["steady_cpu_s_per_trained_sample"] == 0.8  # the rank's left out
+    assert steady_cpu(end, None, 10)["steady_cpu_s_per_trained_sample"] is None
+    run = {"path": "p", "steady_blocks": {"tokens": [1.0], "seconds": [1.0]}, **out}
+    assert pooled([run, run])["steady_cpu_s_per_trained_sample"] == 0.8

@@ -97,10 +97,11 @@ def trainer_argv(args, setting, path: str, out: str) -> list[str]:
 
 
 class Counted:
-    """The rank's iterator, counting the samples the trainer takes."""
+    """The rank's iterator, counting the samples the trainer takes (``marks``: the running count after
+    each micro-batch, so the steady window's samples can be told from the warm-up's)."""
 
     def __init__(self, inner):
-        self.inner, self.samples = inner, 0
+        self.inner, self.samples, self.marks = inner, 0, []
 
     def __iter__(self):
         return self
@@ -108,6 +109,7 @@ class Counted:
     def __next__(self):
         b = next(self.inner)
         self.samples += int(b["num_samples"].sum())
+        self.marks.append(self.samples)
         return b
 
 
@@ -138,7 +140,7 @@ class PinnedWorkers:
 def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str, source,
               cores: tuple[set[int], set[int]]) -> tuple[list, int]:
     """Inside each trainer actor: move onto the ranks' cores, open the path for this rank, train,
-    return (records, samples)."""
+    return (records, samples, the running sample count per micro-batch)."""
     import logging
 
     from trainer.bench.peers_measure import pin
@@ -175,7 +177,7 @@ def peer_rank(path: str, cfg, setting, work_dir: str, layout, metrics_path: str,
     counted = Counted(inner)
     last = layout.rank == layout.world - 1
     records = train(cfg, counted, MegatronRank(metrics_sink=metrics_path if last else None), world_size=layout.world)
-    return (records if last else []), counted.samples
+    return (records if last else []), counted.samples, counted.marks
 
 
 def _pad_id(setting) -> int:
@@ -228,7 +230,8 @@ def train_one(args, setting, work_dir: str) -> dict:
             service = DataService(job.data_cfg, run=job.run)
         refs = [a.run.remote(peer_rank, args.path, cfg, setting, work_dir, lay, job.metrics_path, src, cores)
                 for a, lay, src in zip(group.actors, layouts, sources)]
-        first_step_s = _wait(refs, job.metrics_path, t0)
+        steady_from = steady_start(cfg.train.train_iters)
+        first_step_s, cpu_at_steady = _wait(refs, job.metrics_path, t0, meter, steady_from)
         results = ray.get(refs)
         cpu = meter.cpu_s()
     finally:
@@ -236,13 +239,16 @@ def train_one(args, setting, work_dir: str) -> dict:
         group.shutdown()
         if service is not None:
             service.shutdown()
-    records = next((r for r, _ in results if r), [])
-    samples = sum(n for _, n in results) // max(1, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+    records = next((r for r, _, _ in results if r), [])
+    mp = max(1, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+    samples = sum(n for _, n, _ in results) // mp
+    per_step = max(1, cfg.train.gbs // (cfg.train.mbs * job.dp))  # micro-batches a rank takes a step
+    steady_samples = sum(steady_count(m, steady_from * per_step) for _, _, m in results) // mp
     summary = summarize(records, None, "megatron", world, time.time() - t0)
     for key in ("data", "data_accounting", "autoscale_decisions"):
         summary.pop(key, None)
     steady = steady_window(records)
-    data_cpu = cpu["data_workers"] + cpu["ray_system"] + cpu["driver"]
+    data_cpu = sum(cpu[k] for k in DATA_KINDS)
     return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, "proxy": args.proxy,
             "repeat": args.repeat, "data_cores": len(cores[0]), "rank_cores": len(cores[1]),
             "workers": workers(args), "recompute": args.recompute, **summary,
@@ -254,6 +260,7 @@ def train_one(args, setting, work_dir: str) -> dict:
             "samples_trained": samples, "time_to_first_step_s": first_step_s,
             "data_cpu_s": round(data_cpu, 2), "cpu_s_by_kind": {k: round(v, 2) for k, v in cpu.items()},
             "cpu_s_per_trained_sample": round(data_cpu / samples, 4) if samples else None,
+            **steady_cpu(cpu, cpu_at_steady, steady_samples),
             "peak_host_rss_gib": round(meter.peak_rss_gib, 2)}
 
 
@@ -286,17 +293,50 @@ def _sources(args, setting, job, layouts) -> list:
     return [(job.data_cfg, job.run)] * len(layouts)
 
 
-def _wait(refs, metrics_path: str, t0: float) -> float | None:
-    """Block until the ranks finish; returns the seconds until the first step's record appeared."""
+DATA_KINDS = ("data_workers", "ray_system", "driver")  # the rank's own CPU is the trainer's
+
+
+def steady_start(iters: int) -> int:
+    """Steps before the steady window (``trainer.summary.steady_window``'s first fifth, at least 2)."""
+    return max(2, iters // 5)
+
+
+def steady_count(marks: list[int], start_micro_batch: int) -> int:
+    """Samples a rank took from micro-batch ``start_micro_batch`` on."""
+    if not marks or start_micro_batch >= len(marks):
+        return 0
+    return marks[-1] - (marks[start_micro_batch - 1] if start_micro_batch > 0 else 0)
+
+
+def steady_cpu(cpu_end: dict, cpu_at_steady: dict | None, steady_samples: int) -> dict:
+    """The data path's CPU over the steady window per sample trained in it: start-up (process starts,
+    imports, the first read-ahead) left out."""
+    if not cpu_at_steady or not steady_samples:
+        return {"steady_data_cpu_s": None, "steady_cpu_s_per_trained_sample": None}
+    spent = sum(cpu_end[k] - cpu_at_steady[k] for k in DATA_KINDS)
+    return {"steady_data_cpu_s": round(spent, 2), "steady_samples_trained": steady_samples,
+            "steady_cpu_s_per_trained_sample": round(spent / steady_samples, 4)}
+
+
+def _wait(refs, metrics_path: str, t0: float, meter, steady_from: int) -> tuple[float | None, dict | None]:
+    """Block until the ranks finish; returns the seconds until the first step's record appeared, and
+    the tree's CPU when the record of step ``steady_from`` appeared (a poll of a second: a step or two
+    of skew against the step count)."""
     import ray
 
-    first = None
+    first, at_steady = None, None
     pending = list(refs)
     while pending:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-        if first is None and os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
+        if not os.path.exists(metrics_path) or os.path.getsize(metrics_path) == 0:
+            continue
+        if first is None:
             first = round(time.time() - t0, 1)
-    return first
+        if at_steady is None:
+            with open(metrics_path) as f:
+                if sum(1 for _ in f) >= steady_from:
+                    at_steady = meter.cpu_s()
+    return first, at_steady
 
 
 def case_name(path: str, mbs: int, repeat: int) -> str:
@@ -392,6 +432,9 @@ def pooled(runs: list[dict]) -> dict:
     samples = sum(r.get("samples_trained") or 0 for r in finished)
     cpu = sum(r.get("data_cpu_s") or 0 for r in finished)
     out["cpu_s_per_trained_sample"] = round(cpu / samples, 4) if samples else None
+    steady_n = sum(r.get("steady_samples_trained") or 0 for r in finished)
+    steady_s = sum(r.get("steady_data_cpu_s") or 0 for r in finished)
+    out["steady_cpu_s_per_trained_sample"] = round(steady_s / steady_n, 4) if steady_n else None
     for key in ("mbs", "tokens_per_step", "data_wait_share", "real_token_fraction", "tflops_per_gpu",
                 "peak_mem_gib", "peak_host_rss_gib", "time_to_first_step_s", "data_cores", "workers"):
         vals = [r[key] for r in finished if r.get(key) is not None]
@@ -445,19 +488,20 @@ def _has_gpu() -> bool:
 def table(grid: dict) -> str:
     """One grid's cases as a markdown table (what the docs page holds)."""
     head = ("| MBS | path | repeats | tokens/s +-2 s.e. | x vlmfeed (CPU) | tokens/step | data wait | row fill "
-            "| data CPU-s / trained sample | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|---|")
+            "| data CPU-s / trained sample | steady | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for key, cases in grid.items():
         for path, c in cases.items():
             if not c.get("tokens_per_s"):
                 rows.append(f"| {key[3:]} | {path} | 0 | did not finish: {[r.get('rc') for r in c.get('runs', [])]} |"
-                            " | | | | | |")
+                            " | | | | | | |")
                 continue
             vs = c.get("tokens_per_s_vs_vlmfeed") or {}
             rows.append(f"| {int(c.get('mbs') or key[3:])} | {path} | {c['repeats']} | {c['tokens_per_s']:,.0f} "
                         f"+- {c.get('tokens_per_s_pm_2se') or 0:,.0f} | {vs.get('ratio')} +- {vs.get('pm_2se')} "
                         f"| {c.get('tokens_per_step') or 0:,.0f} | {100 * (c.get('data_wait_share') or 0):.2f}% "
-                        f"| {c.get('real_token_fraction')} | {c.get('cpu_s_per_trained_sample')} | {c.get('peak_mem_gib')} |")
+                        f"| {c.get('real_token_fraction')} | {c.get('cpu_s_per_trained_sample')} "
+                        f"| {c.get('steady_cpu_s_per_trained_sample')} | {c.get('peak_mem_gib')} |")
     return "\n".join([head, *rows])
 
 
