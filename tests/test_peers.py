@@ -259,7 +259,7 @@ def test_pinning_moves_every_thread_of_a_child():
 
 
 def test_repeats_pool_as_totals_over_totals():
-    from trainer.bench.peers_train import pooled
+    from trainer.bench.peers_report import pooled
 
     fast = {"path": "p", "steady_blocks": {"tokens": [100.0, 100.0], "seconds": [1.0, 1.0]},
             "samples_trained": 10, "data_cpu_s": 5.0, "data_wait_share": 0.0}
@@ -269,7 +269,7 @@ def test_repeats_pool_as_totals_over_totals():
     assert out["repeats"] == 2 and out["tokens_per_s"] == pytest.approx(400 / 8)  # not the mean of 100 and 33
     assert out["tokens_per_s_pm_2se"] > 0 and out["cpu_s_per_trained_sample"] == pytest.approx(0.25)
     assert len(out["runs"]) == 3
-    from trainer.bench.peers_train import table
+    from trainer.bench.peers_report import table
 
     text = table({"mbs2": {"p": out, "q": pooled([{"path": "q", "rc": "timeout"}])}})
     assert "| 50 +- " in text and "did not finish: ['timeout']" in text
@@ -289,7 +289,8 @@ def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):
 
 def test_steady_cpu_leaves_start_up_out():
     """The data path's CPU from the first steady step on, over the samples trained from then on."""
-    from trainer.bench.peers_train import pooled, steady_count, steady_cpu, steady_start
+    from trainer.bench.peers_measure import steady_count, steady_cpu, steady_start
+    from trainer.bench.peers_report import pooled
 
     assert steady_start(200) == 40 and steady_start(5) == 2
     marks = [3, 7, 10, 14, 17, 21]  # running samples after each micro-batch

@@ -24,21 +24,18 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
-import json
 import logging
 import os
 import signal
 import struct
 import sys
-import tarfile
 from functools import partial
 
 import torch
 from PIL import Image
 
-from trainer.bench.peers_data import PeerSetting, build_hf_processor, hf_messages
+from trainer.bench.peers_data import PeerSetting, build_hf_processor, hf_messages, shard_samples
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 FRAME_HEADER = struct.Struct("<Q")
 LABEL_IGNORED = -100
 
@@ -46,26 +43,6 @@ LABEL_IGNORED = -100
 # ------------------------------------------------------------------------------------------------
 # The shards as AutoModel's raw conversations
 # ------------------------------------------------------------------------------------------------
-def tar_samples(path: str):
-    """(key, {extension: bytes}) per WebDataset sample of one tar, in member order: a member's key is
-    its name up to the basename's first dot. Member bytes are only read, never unpickled."""
-    current, members = None, {}
-    with tarfile.open(path) as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            folder, base = os.path.split(member.name)
-            stem, _, ext = base.partition(".")
-            key = os.path.join(folder, stem)
-            if key != current and members:
-                yield current, members
-                members = {}
-            current = key
-            members[ext] = tar.extractfile(member).read()
-    if members:
-        yield current, members
-
-
 class ShardConversations:
     """Every good sample of the shards (images, and the conversation vlmfeed trains on: the same
     ``sample_messages`` every peer uses) as AutoModel's raw dataset. Each item is made fresh: the
@@ -73,27 +50,11 @@ class ShardConversations:
     them. ``served`` is the last index handed out, read by ``TracedSamples`` in the same process."""
 
     def __init__(self, shards, tokenizer):
-        from datasvc.read.formats import sample_messages
-        from datasvc.read.shards import RawSample
-        from datasvc.rejects import SampleRejected
-
-        self.keys: list[str] = []
-        self.images: list[list[bytes]] = []
-        self.messages: list[list[dict]] = []
-        for path in shards:
-            for key, members in tar_samples(path):
-                images = [members[e] for e in sorted(members) if e.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
-                text, doc = members.get("txt"), members.get("json")
-                raw = RawSample("", "", [], text.decode() if text else None, json.loads(doc) if doc else None)
-                try:
-                    messages = sample_messages(raw, len(images))
-                except SampleRejected:
-                    continue  # what vlmfeed rejects, no peer trains on
-                if not images:
-                    continue
-                self.keys.append(f"{os.path.basename(path)}/{key}")
-                self.images.append(images)
-                self.messages.append(messages)
+        # The shards read as every peer reads them (bad samples and samples without images left out).
+        samples = shard_samples(shards)
+        self.keys: list[str] = [sample["key"] for sample in samples]
+        self.images: list[list[bytes]] = [[data for _, data in sample["images"]] for sample in samples]
+        self.messages: list[list[dict]] = [sample["messages"] for sample in samples]
         # The text's token count, as AutoModel's scripts/precompute_tokens.py writes it for its packing
         # plan (the turns' text joined by newlines); without it the plan guesses chars // 3, which
         # over-counts English text by about a third and leaves packs a quarter empty.

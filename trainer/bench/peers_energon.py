@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from datasvc.batch import IGNORE_INDEX
+from datasvc.members import IMAGE_EXTS  # every image extension the service reads
 from trainer.bench.peers_data import PeerSetting
-
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
 def prepared_dataset(setting: PeerSetting, work_dir: str) -> str:

@@ -226,3 +226,28 @@ def ratio_estimate(num: list[float], den: list[float]) -> tuple[float | None, fl
     mean_den = total / k
     var = sum((a - r * b) ** 2 for a, b in zip(num, den)) / (k * (k - 1))
     return r, math.sqrt(var) / mean_den
+
+
+DATA_KINDS = ("data_workers", "ray_system", "driver")  # the rank's own CPU is the trainer's
+
+
+def steady_start(iters: int) -> int:
+    """Steps before the steady window (``trainer.summary.steady_window``'s first fifth, at least 2)."""
+    return max(2, iters // 5)
+
+
+def steady_count(marks: list[int], start_micro_batch: int) -> int:
+    """Samples a rank took from micro-batch ``start_micro_batch`` on."""
+    if not marks or start_micro_batch >= len(marks):
+        return 0
+    return marks[-1] - (marks[start_micro_batch - 1] if start_micro_batch > 0 else 0)
+
+
+def steady_cpu(cpu_end: dict, cpu_at_steady: dict | None, steady_samples: int) -> dict:
+    """The data path's CPU over the steady window per sample trained in it: start-up (process starts,
+    imports, the first read-ahead) left out."""
+    if not cpu_at_steady or not steady_samples:
+        return {"steady_data_cpu_s": None, "steady_cpu_s_per_trained_sample": None}
+    spent = sum(cpu_end[k] - cpu_at_steady[k] for k in DATA_KINDS)
+    return {"steady_data_cpu_s": round(spent, 2), "steady_samples_trained": steady_samples,
+            "steady_cpu_s_per_trained_sample": round(spent / steady_samples, 4)}

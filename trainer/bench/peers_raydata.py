@@ -15,9 +15,8 @@ import os
 import numpy as np
 from PIL import Image
 
+from datasvc.members import IMAGE_EXTS  # every image extension the service reads
 from trainer.bench.peers_data import PeerSetting, build_hf_processor, hf_messages, padded_batch
-
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
 class HFQwen3VLEncoder:

@@ -27,7 +27,9 @@ import subprocess
 import sys
 import time
 
-from trainer.bench.peers_measure import ProcessTreeMeter, block_means, block_totals, mean_se, ratio, ratio_estimate
+from trainer.bench.peers_measure import (DATA_KINDS, ProcessTreeMeter, block_means, block_totals, mean_se, steady_count,
+                                         steady_cpu, steady_start)
+from trainer.bench.peers_report import pooled, ratios, service_settings, table
 
 PROXIES = {  # depth: what --fit auto picks on one GPU; the 4-layer proxies by name
     "depth": [],
@@ -252,7 +254,7 @@ def train_one(args, setting, work_dir: str) -> dict:
     return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, "proxy": args.proxy,
             "repeat": args.repeat, "data_cores": len(cores[0]), "rank_cores": len(cores[1]),
             "workers": workers(args), "recompute": args.recompute, **summary,
-            "data_config": _settings(job.data_cfg) if args.path.startswith("vlmfeed") else None,
+            "data_config": service_settings(job.data_cfg) if args.path.startswith("vlmfeed") else None,
             "steady_blocks": block_totals(steady),
             "tokens_per_step": round(sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / len(steady), 1)
             if steady else None,
@@ -262,21 +264,6 @@ def train_one(args, setting, work_dir: str) -> dict:
             "cpu_s_per_trained_sample": round(data_cpu / samples, 4) if samples else None,
             **steady_cpu(cpu, cpu_at_steady, steady_samples),
             "peak_host_rss_gib": round(meter.peak_rss_gib, 2)}
-
-
-def _settings(cfg) -> dict:
-    """The data service's settings as the case ran them (a rerun compares against these)."""
-    import dataclasses
-
-    out = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        try:
-            json.dumps(value)
-        except TypeError:
-            value = repr(value)
-        out[f.name] = value
-    return out
 
 
 def _sources(args, setting, job, layouts) -> list:
@@ -291,31 +278,6 @@ def _sources(args, setting, job, layouts) -> list:
     if args.path in IN_RANK:
         return [workers(args)] * len(layouts)
     return [(job.data_cfg, job.run)] * len(layouts)
-
-
-DATA_KINDS = ("data_workers", "ray_system", "driver")  # the rank's own CPU is the trainer's
-
-
-def steady_start(iters: int) -> int:
-    """Steps before the steady window (``trainer.summary.steady_window``'s first fifth, at least 2)."""
-    return max(2, iters // 5)
-
-
-def steady_count(marks: list[int], start_micro_batch: int) -> int:
-    """Samples a rank took from micro-batch ``start_micro_batch`` on."""
-    if not marks or start_micro_batch >= len(marks):
-        return 0
-    return marks[-1] - (marks[start_micro_batch - 1] if start_micro_batch > 0 else 0)
-
-
-def steady_cpu(cpu_end: dict, cpu_at_steady: dict | None, steady_samples: int) -> dict:
-    """The data path's CPU over the steady window per sample trained in it: start-up (process starts,
-    imports, the first read-ahead) left out."""
-    if not cpu_at_steady or not steady_samples:
-        return {"steady_data_cpu_s": None, "steady_cpu_s_per_trained_sample": None}
-    spent = sum(cpu_end[k] - cpu_at_steady[k] for k in DATA_KINDS)
-    return {"steady_data_cpu_s": round(spent, 2), "steady_samples_trained": steady_samples,
-            "steady_cpu_s_per_trained_sample": round(spent / steady_samples, 4)}
 
 
 def _wait(refs, metrics_path: str, t0: float, meter, steady_from: int) -> tuple[float | None, dict | None]:
@@ -404,7 +366,7 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
                     "tokens_per_s", "tokens_per_step", "data_wait_share", "cpu_s_per_trained_sample", "rc")}),
                       flush=True)
         cases = {p: pooled(r) for p, r in runs.items() if r}
-        _ratios(cases)
+        ratios(cases)
         out[f"mbs{mbs}"] = cases
     return out
 
@@ -415,31 +377,6 @@ def _case_args(args) -> list[str]:
     out += ["--workers", str(args.workers)] if args.workers else []
     return out + (["--cores", str(args.cores)] if args.cores else [])
 
-
-def pooled(runs: list[dict]) -> dict:
-    """A path's repeats as one figure: tokens/s as total tokens over total seconds of every steady
-    block of every repeat, +-2 standard errors from those blocks; CPU per trained sample as totals
-    over totals; the repeats themselves kept."""
-    finished = [r for r in runs if "steady_blocks" in r]
-    out = {"path": runs[0].get("path"), "repeats": len(finished), "runs": runs}
-    if not finished:
-        return out
-    tokens = [t for r in finished for t in r["steady_blocks"]["tokens"]]
-    seconds = [s for r in finished for s in r["steady_blocks"]["seconds"]]
-    rate, se = ratio_estimate(tokens, seconds)
-    out["tokens_per_s"], out["tokens_per_s_blocks"] = round(rate, 1), [rate, se]
-    out["tokens_per_s_pm_2se"] = round(2 * se, 1) if se is not None else None
-    samples = sum(r.get("samples_trained") or 0 for r in finished)
-    cpu = sum(r.get("data_cpu_s") or 0 for r in finished)
-    out["cpu_s_per_trained_sample"] = round(cpu / samples, 4) if samples else None
-    steady_n = sum(r.get("steady_samples_trained") or 0 for r in finished)
-    steady_s = sum(r.get("steady_data_cpu_s") or 0 for r in finished)
-    out["steady_cpu_s_per_trained_sample"] = round(steady_s / steady_n, 4) if steady_n else None
-    for key in ("mbs", "tokens_per_step", "data_wait_share", "real_token_fraction", "tflops_per_gpu",
-                "peak_mem_gib", "peak_host_rss_gib", "time_to_first_step_s", "data_cores", "workers"):
-        vals = [r[key] for r in finished if r.get(key) is not None]
-        out[key] = round(sum(vals) / len(vals), 4) if vals else None
-    return out
 
 
 def _run(cmd: list[str], timeout: int):
@@ -470,39 +407,12 @@ def _with_mbs(cmd: list[str], mbs: int) -> list[str]:
     return cmd[:i + 1] + [str(mbs)] + cmd[i + 2:]
 
 
-def _ratios(cases: dict) -> None:
-    base = cases.get("vlmfeed-cpu", {})
-    for r in cases.values():
-        if "tokens_per_s_blocks" in r and "tokens_per_s_blocks" in base:
-            r["tokens_per_s_vs_vlmfeed"] = ratio(tuple(r["tokens_per_s_blocks"]), tuple(base["tokens_per_s_blocks"]))
-        if r.get("cpu_s_per_trained_sample") and base.get("cpu_s_per_trained_sample"):
-            r["cpu_per_sample_vs_vlmfeed"] = round(r["cpu_s_per_trained_sample"] / base["cpu_s_per_trained_sample"], 3)
-
 
 def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
 
-
-def table(grid: dict) -> str:
-    """One grid's cases as a markdown table (what the docs page holds)."""
-    head = ("| MBS | path | repeats | tokens/s +-2 s.e. | x vlmfeed (CPU) | tokens/step | data wait | row fill "
-            "| data CPU-s / trained sample | steady | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
-    for key, cases in grid.items():
-        for path, c in cases.items():
-            if not c.get("tokens_per_s"):
-                rows.append(f"| {key[3:]} | {path} | 0 | did not finish: {[r.get('rc') for r in c.get('runs', [])]} |"
-                            " | | | | | | |")
-                continue
-            vs = c.get("tokens_per_s_vs_vlmfeed") or {}
-            rows.append(f"| {int(c.get('mbs') or key[3:])} | {path} | {c['repeats']} | {c['tokens_per_s']:,.0f} "
-                        f"+- {c.get('tokens_per_s_pm_2se') or 0:,.0f} | {vs.get('ratio')} +- {vs.get('pm_2se')} "
-                        f"| {c.get('tokens_per_step') or 0:,.0f} | {100 * (c.get('data_wait_share') or 0):.2f}% "
-                        f"| {c.get('real_token_fraction')} | {c.get('cpu_s_per_trained_sample')} "
-                        f"| {c.get('steady_cpu_s_per_trained_sample')} | {c.get('peak_mem_gib')} |")
-    return "\n".join([head, *rows])
 
 
 QUESTION = "How does vlmfeed compare with what I would use instead?"
