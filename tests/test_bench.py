@@ -165,3 +165,18 @@ def test_the_results_index_lists_each_question_with_its_page_hardware_and_stamps
     assert ("| [How fast is it?](how-fast/) | [page](../benchmarks/how-fast.md) | h200 | 3 | 2026-12-01 to 2026-12-03 | "
             "1234567, abcdef1 |") in text
     assert "| [orphan](orphan/) |  | cpu | 0 |  |  |" in text
+
+
+def test_a_stamped_result_records_the_defaults_it_holds_for():
+    from datasvc.tools.bench.provenance import stamp
+    from datasvc.training import DEVICE_DEFAULTS
+    from trainer.bench import trainer_defaults
+
+    rep = json.loads(json.dumps(stamp({"tokens_per_s": 1.0}, "How fast?", "vlmfeed bench x", trainer_defaults())))
+    assert rep["question"] == "How fast?" and rep["tokens_per_s"] == 1.0
+    held = rep["defaults"]
+    assert held["training_geometry"]["devices"]["gpu"] == {"seq_len": DEVICE_DEFAULTS["gpu"].seq_len,
+                                                          "max_pixels": DEVICE_DEFAULTS["gpu"].max_pixels}
+    assert held["service"]["decode"] == "cpu" and held["service"]["resize_on"] == "rank"
+    assert held["trainer"]["train"]["mbs"] == 1 and held["trainer"]["parallel"]["strategy"] in ("fsdp", "3d")
+    assert "defaults" in stamp({}, "q", "c") and "trainer" not in stamp({}, "q", "c")["defaults"]

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from datasvc.batch import TrainBatch
 from datasvc.usage import HelpFormatter
 from trainer.bench.peers_data import IN_RANK, PATHS, STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
 from trainer.bench.peers_measure import Clock, ProcessTreeMeter, ratio
@@ -81,7 +82,7 @@ class VlmfeedPath:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> TrainBatch:
         return next(self.client)
 
     def close(self) -> None:
@@ -144,15 +145,15 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
     try:
         first = next(path)
         t_first = time.perf_counter() - t0
-        warm = int(first["num_samples"].sum())
+        warm = int(first.num_samples.sum())
         while warm < max(samples // 4, getattr(path, "buffered_samples", 0)):
-            warm += int(next(path)["num_samples"].sum())
+            warm += int(next(path).num_samples.sum())
         clock, n, real = Clock(meter), 0, []
         start_cpu = meter.cpu_s()
         clock.mark(0)
         while n < max(samples, getattr(path, "buffered_samples", 0)):
             b = next(path)
-            n += int(b["num_samples"].sum())
+            n += int(b.num_samples.sum())
             real.append(_real_fraction(b))
             clock.mark(n)
         wall = clock.marks[-1][0] - clock.marks[0][0]
@@ -180,7 +181,7 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
     return rep
 
 
-def _real_fraction(batch: dict) -> float:
+def _real_fraction(batch: TrainBatch) -> float:
     from trainer.bench.peers_data import real_token_fraction
 
     return real_token_fraction(batch)
@@ -395,9 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         rep["training"] = train_all(args, _setting(args), _setting_args(args), _setting_args)
         args.out = os.path.join(args.out, "bench-peers.json")
     from datasvc.tools.bench.provenance import stamp
+    from trainer.bench import trainer_defaults
     from trainer.bench.peers_train import QUESTION
 
-    rep = stamp(rep, QUESTION, "vlmfeed bench peers " + " ".join(sys.argv[1:] if argv is None else argv))
+    rep = stamp(rep, QUESTION, "vlmfeed bench peers " + " ".join(sys.argv[1:] if argv is None else argv),
+                trainer_defaults())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)

@@ -110,7 +110,7 @@ class Counted:
 
     def __next__(self):
         b = next(self.inner)
-        self.samples += int(b["num_samples"].sum())
+        self.samples += int(b.num_samples.sum())
         self.marks.append(self.samples)
         return b
 
@@ -133,9 +133,7 @@ class PinnedWorkers:
 
             self.pinned = pin_children(os.getpid(), self.cores)
         if self.device is not None:
-            from trainer.bench.peers_data import gpu_ready
-
-            b = gpu_ready(b, self.device)
+            b = b.to(self.device, non_blocking=True)
         return b
 
 
@@ -420,10 +418,11 @@ QUESTION = "How does vlmfeed compare with what I would use instead?"
 
 def train_main(args, setting, work_dir: str, setting_args: list[str], setting_args_of) -> int:
     from datasvc.tools.bench.provenance import stamp
+    from trainer.bench import trainer_defaults
 
     command = "vlmfeed bench peers " + " ".join(sys.argv[1:])
     if args.cmd == "train":
-        rep = stamp(train_all(args, setting, setting_args, setting_args_of), QUESTION, command)
+        rep = stamp(train_all(args, setting, setting_args, setting_args_of), QUESTION, command, trainer_defaults())
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "bench-peers-train.json")
         with open(path, "w") as f:
@@ -435,7 +434,7 @@ def train_main(args, setting, work_dir: str, setting_args: list[str], setting_ar
                 print(f"\n{name}\n{table(grid)}" if name else table(grid))
         print(f"wrote {path}")
         return 0
-    rep = stamp(train_one(args, setting, work_dir), QUESTION, command)
+    rep = stamp(train_one(args, setting, work_dir), QUESTION, command, trainer_defaults())
     with open(args.json, "w") as f:
         json.dump(rep, f, indent=1)
     return 0

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         "loss_straight": [r.get("loss") for r in a], "loss_split": [r.get("loss") for r in b],
     }
     from datasvc.tools.bench.provenance import stamp
+    from trainer.bench import trainer_defaults
 
-    rep = stamp(rep, QUESTION, "python -m trainer.bench.resume " + " ".join(argv))
+    rep = stamp(rep, QUESTION, "python -m trainer.bench.resume " + " ".join(argv), trainer_defaults())
     with open(os.path.join(out, "resume.json"), "w") as f:
         json.dump(rep, f, indent=1)
     _plot(rep, os.path.join(out, "resume.png"))
