@@ -9,8 +9,9 @@ per-image boundaries (a graph cannot take THD metadata). That padded path runs e
 the warm-up steps before capture, so two questions can be answered without capturing anything:
 
 - **Does it compute the model?** The tower attends within each image (each temporal group of a
-  video). The fixed-length path's outputs for a few images are compared with each image run alone,
-  and so are the THD path's (the control: it must agree).
+  video). The fixed-length path's outputs for a few images, as Bridge ships it and with the trainer's
+  per-frame mask (``trainer.megatron.vision_graphs``), are compared with each image run alone, and
+  so are the THD path's (the control: it must agree).
 - **What does the fixed shape cost?** Forward plus backward time of the tower over images filling
   ``L`` patches, on the THD path and on the fixed-length path at ``L``; and the activation memory the
   fixed-length path asks for. Graphs can only win back kernel-launch time, which the eager THD time
@@ -21,6 +22,7 @@ Runs on one GPU; prints a table and writes JSON (under ``--out`` or $OUT).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -75,6 +77,25 @@ def run_tower(tower, pixels: torch.Tensor, grids: list[tuple[int, int, int]]):
     return torch.cat([embeddings, *deepstack], dim=-1)
 
 
+@contextlib.contextmanager
+def within_frames(tower):
+    """The tower's fixed-length path as the trainer runs it (``trainer.megatron.vision_graphs``)
+    inside the block, as Megatron-Bridge ships it outside."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import vision_model as bridge_vision
+
+    from trainer.megatron.vision_graphs import attend_within_frames
+
+    setup = bridge_vision._vision_forward_packed_attention_setup
+    kinds = [layer.self_attention.attn_mask_type for layer in tower.decoder.layers]
+    attend_within_frames(tower)
+    try:
+        yield
+    finally:
+        bridge_vision._vision_forward_packed_attention_setup = setup
+        for layer, kind in zip(tower.decoder.layers, kinds):
+            layer.self_attention.attn_mask_type = kind
+
+
 @torch.no_grad()
 def semantics(tower, fixed_length: int) -> dict:
     """Largest difference of each path's outputs from every image run alone (THD, one image)."""
@@ -86,15 +107,17 @@ def semantics(tower, fixed_length: int) -> dict:
     alone = torch.cat([run_tower(tower, part, [g]) for part, g in zip(pixels.split(sizes), grids)])
     together = run_tower(tower, pixels, grids)
     set_fixed_length(tower, fixed_length)
-    fixed = run_tower(tower, pixels, grids)
+    bridge = run_tower(tower, pixels, grids)
+    with within_frames(tower):
+        ours = run_tower(tower, pixels, grids)
     set_fixed_length(tower, None)
     scale = alone.float().abs().mean().item()
 
     def gap(out):
         return (out.float() - alone.float()).abs().max().item()
 
-    return {"images": grids, "fixed_length": fixed_length, "mean_abs_output": scale,
-            "thd_max_abs_diff": gap(together), "fixed_length_max_abs_diff": gap(fixed)}
+    return {"images": grids, "fixed_length": fixed_length, "mean_abs_output": scale, "thd_max_abs_diff": gap(together),
+            "bridge_fixed_length_max_abs_diff": gap(bridge), "per_frame_fixed_length_max_abs_diff": gap(ours)}
 
 
 def timed(tower, pixels: torch.Tensor, grids, repeats: int) -> dict:
@@ -120,14 +143,16 @@ def cost(tower, length: int, repeats: int) -> dict:
     row = {"length": length, "images": len(grids), "patches": patches}
     set_fixed_length(tower, None)
     row["thd"] = timed(tower, pixels, grids, repeats)
-    set_fixed_length(tower, length)
-    try:
-        row["fixed_length"] = timed(tower, pixels, grids, repeats)
-    except torch.OutOfMemoryError as exc:
-        row["fixed_length"] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
-        torch.cuda.empty_cache()
-    finally:
-        set_fixed_length(tower, None)
+    for name, context in (("bridge_fixed_length", contextlib.nullcontext()), ("per_frame_fixed_length", within_frames(tower))):
+        set_fixed_length(tower, length)
+        try:
+            with context:
+                row[name] = timed(tower, pixels, grids, repeats)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            row[name] = {"error": str(exc).splitlines()[0][:300]}
+            torch.cuda.empty_cache()
+        finally:
+            set_fixed_length(tower, None)
     return row
 
 
@@ -143,14 +168,16 @@ def main(argv=None) -> int:
               "cost": [cost(tower, n, args.repeats) for n in args.lengths],
               "gpu": torch.cuda.get_device_name()}
     s = result["semantics"]
-    print(f"outputs vs each image alone (mean |output| {s['mean_abs_output']:.3f}): THD path max |diff| "
-          f"{s['thd_max_abs_diff']:.4f}, fixed-length path {s['fixed_length_max_abs_diff']:.4f}")
-    print("| patches | images | THD fwd+bwd s | fixed-length fwd+bwd s | THD peak GiB | fixed-length peak GiB |")
-    print("|---|---|---|---|---|---|")
+    print(f"outputs vs each image alone (mean |output| {s['mean_abs_output']:.3f}), max |diff|: THD path "
+          f"{s['thd_max_abs_diff']:.4f}, Bridge's fixed-length path {s['bridge_fixed_length_max_abs_diff']:.4f}, "
+          f"per-frame fixed-length path {s['per_frame_fixed_length_max_abs_diff']:.4f}")
+    names = ("thd", "bridge_fixed_length", "per_frame_fixed_length")
+    print("| patches | images | " + " | ".join(f"{n} fwd+bwd s, peak GiB" for n in names) + " |")
+    print("|---|---|" + "---|" * len(names))
     for r in result["cost"]:
-        f = r["fixed_length"]
-        print(f"| {r['length']} | {r['images']} | {r['thd']['seconds']:.4f} | {f.get('seconds', f.get('error'))} "
-              f"| {r['thd']['peak_gib']:.2f} | {f.get('peak_gib', '')} |")
+        cells = [f"{r[n]['seconds']:.4f}, {r[n]['peak_gib']:.2f}" if "seconds" in r[n] else r[n]["error"][:60]
+                 for n in names]
+        print(f"| {r['length']} | {r['images']} | " + " | ".join(cells) + " |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "vision-graphs.json").write_text(json.dumps(result, indent=1))

@@ -1,0 +1,43 @@
+"""The fixed-length vision path's mask keeps the model: each temporal group of patches attends only
+within itself, and padding stays apart (``trainer.megatron.vision_graphs``)."""
+import torch
+
+from trainer.megatron.vision_graphs import per_frame_attention_mask
+
+
+def test_each_frame_attends_within_itself_and_padding_apart():
+    grid = torch.tensor([[1, 2, 2], [2, 1, 3]])  # an image of 4 patches, a video of 2 groups of 3
+    mask = per_frame_attention_mask(grid, length=12)
+    assert mask.shape == (1, 1, 12, 12) and mask.dtype == torch.bool
+    allowed = ~mask[0, 0]
+    units = [range(0, 4), range(4, 7), range(7, 10)]
+    for i in range(12):
+        mine = next((u for u in units if i in u), None)
+        expected = {i} if mine is None else set(mine)  # a padding patch sees only itself
+        assert {j for j in range(12) if allowed[i, j]} == expected
+    assert allowed.any(dim=-1).all()  # no row fully masked: softmax stays finite
+
+
+def test_the_mask_matches_separate_attention_per_image():
+    """Attention under the mask equals attention run on each image alone."""
+    gen = torch.Generator().manual_seed(0)
+    grid = torch.tensor([[1, 2, 3], [1, 1, 4], [1, 3, 1]])
+    sizes = grid.prod(-1).tolist()
+    q, k, v = (torch.randn(sum(sizes) + 5, 8, generator=gen) for _ in range(3))
+    mask = per_frame_attention_mask(grid, length=sum(sizes) + 5)[0, 0]
+    masked = torch.softmax((q @ k.T).masked_fill(mask, float("-inf")), dim=-1) @ v
+    start = 0
+    for n in sizes:
+        s = slice(start, start + n)
+        alone = torch.softmax(q[s] @ k[s].T, dim=-1) @ v[s]
+        assert torch.allclose(masked[s], alone, atol=1e-6)
+        start += n
+    full = torch.softmax(q @ k.T, dim=-1) @ v  # the control: attending across images differs
+    assert not torch.allclose(full[:sizes[0]], masked[:sizes[0]], atol=1e-3)
+
+
+def test_more_patches_than_the_fixed_length_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="do not fit the fixed length 8"):
+        per_frame_attention_mask(torch.tensor([[1, 3, 3]]), length=8)
