@@ -41,3 +41,42 @@ def test_more_patches_than_the_fixed_length_are_refused():
 
     with pytest.raises(ValueError, match="do not fit the fixed length 8"):
         per_frame_attention_mask(torch.tensor([[1, 3, 3]]), length=8)
+
+
+def _static(**train):
+    from trainer.config import CudaGraphConfig, ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
+
+    return TrainerConfig(model=ModelConfig(num_layers=4), parallel=ParallelConfig(strategy="3d"),
+                         cuda_graph=CudaGraphConfig(static_shapes=True),
+                         train=TrainConfig(**{"mbs": 1, "gbs": 4, "seq_len": 1024, **train}))
+
+
+def test_static_shapes_are_refused_in_one_line_where_they_cannot_work():
+    import dataclasses
+
+    import pytest
+
+    from trainer.config import ConfigError, ParallelConfig
+
+    _static().validate(1)
+    with pytest.raises(ConfigError, match=r"--mbs x --seq-len x 4 = 32768 patches.*use --mbs 1 --seq-len 2048"):
+        _static(mbs=2, seq_len=4096).validate(1)
+    fsdp = dataclasses.replace(_static(), parallel=ParallelConfig(strategy="fsdp"))
+    with pytest.raises(ConfigError, match="cannot hold Megatron-FSDP's parameter hooks; use --strategy 3d"):
+        fsdp.validate(1)
+
+
+def test_static_shapes_set_the_vision_graphs_and_the_per_frame_mask():
+    import pytest
+
+    pytest.importorskip("megatron.bridge")
+    from trainer.megatron.container import build_provider
+    from trainer.megatron.vision_graphs import within_frames_hook
+
+    provider = build_provider(_static())
+    assert provider.vision_cuda_graph_impl == "transformer_engine" and provider.vision_cuda_graph_scope == []
+    assert provider.max_vision_cuda_graph_seq_length == 4096 and provider.cuda_graph_impl == "none"
+    assert within_frames_hook in provider._pre_wrap_hooks
+    from trainer.config import TrainerConfig
+
+    assert getattr(build_provider(TrainerConfig()), "vision_cuda_graph_impl", "none") == "none"

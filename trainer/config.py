@@ -84,6 +84,14 @@ class CudaGraphConfig:
     # ["attn", "moe_router", "moe_preprocess"]; empty = CUDA graphs off.
     scope: list[str] = field(default_factory=list)
     warmup_steps: int = 3
+    # The vision tower's layers as CUDA graphs at one fixed length: the most patches a micro-batch
+    # can carry (every token an image token), padding masked, each frame attending within itself
+    # (trainer.megatron.vision_graphs).
+    static_shapes: bool = False
+
+    def vision_length(self, mbs: int, seq_len: int, merge: int = 2) -> int:
+        """The fixed number of vision patches the tower's graphs take."""
+        return mbs * seq_len * merge * merge
 
 
 CPU_DEVELOPMENT = {"seq_len": DEVICE_DEFAULTS["cpu"].seq_len, "train_iters": 30, "lr": 1e-3}
@@ -147,6 +155,9 @@ class TrainerConfig:
 # Names Megatron-Core accepts (transformer_config.py, megatron-core 0.19.2)
 RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts"}
 CUDA_GRAPH_SCOPES = {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}
+STATIC_VISION_MAX_PATCHES = 8192
+"""The longest fixed vision length --static-shapes takes: attention under an arbitrary mask keeps
+its scores, patches squared per head and layer, for the backward."""
 
 
 def _check(cfg: TrainerConfig, world_size: int) -> list[str]:
@@ -313,10 +324,31 @@ def _check_recompute(cfg: TrainerConfig, a) -> list[str]:
     return out
 
 
+def _check_static_shapes(cfg: TrainerConfig) -> list[str]:
+    if not cfg.cuda_graph.static_shapes:
+        return []
+    out = []
+    length = cfg.cuda_graph.vision_length(cfg.train.mbs, cfg.train.seq_len)
+    if length > STATIC_VISION_MAX_PATCHES:
+        out.append(f"--static-shapes fixes the vision tower at --mbs x --seq-len x 4 = {length} patches, over the "
+                   f"{STATIC_VISION_MAX_PATCHES} its masked attention can hold; use --mbs 1 --seq-len "
+                   f"{STATIC_VISION_MAX_PATCHES // 4} or less, or drop --static-shapes")
+    if cfg.parallel.strategy == "fsdp":
+        out.append("--static-shapes captures CUDA graphs, which cannot hold Megatron-FSDP's parameter hooks; "
+                   "use --strategy 3d")
+    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
+        out.append("--static-shapes needs the vision tower on one stage and whole: use --pp 1 --cp 1")
+    if cfg.model.vision_chunk_patches:
+        out.append("--static-shapes runs the vision tower once per micro-batch; drop --vision-chunk-patches")
+    if cfg.train.padded:
+        out.append("--static-shapes is for packed rows; drop --padded")
+    return out
+
+
 def _check_cuda_graphs(cfg: TrainerConfig) -> list[str]:
     cg, rc = cfg.cuda_graph, cfg.recompute
     if not cg.scope:
-        return []
+        return _check_static_shapes(cfg)
     scope = set(cg.scope)
     out = []
     bad = scope - CUDA_GRAPH_SCOPES
@@ -339,7 +371,7 @@ def _check_cuda_graphs(cfg: TrainerConfig) -> list[str]:
     if rc.granularity == "selective" and "moe" in rc.modules and "moe_router" in scope:
         out.append("recompute module 'moe' cannot be combined with the 'moe_router' CUDA graph; recompute "
                    "'moe_act' instead or drop moe_router from the scope")
-    return out + _check_graphs_with_packing(cfg, scope) + (
+    return out + _check_graphs_with_packing(cfg, scope) + _check_static_shapes(cfg) + (
         ["--cuda-graph-warmup-steps must be >= 1"] if cg.warmup_steps < 1 else [])
 
 
@@ -405,6 +437,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph-scope", nargs="*", default=[],
                    help="e.g. moe_router moe_preprocess (empty: CUDA graphs off)")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=d.cuda_graph.warmup_steps)
+    _bool_flag(g, "--static-shapes", d.cuda_graph.static_shapes,
+               "the vision tower as CUDA graphs at one fixed length (--mbs x --seq-len x 4 patches, padding "
+               "masked, each image attending within itself); --strategy 3d only")
 
     g = parser.add_argument_group("training")
     g.add_argument("--mbs", type=positive_int, default=d.train.mbs, help="micro-batch rows")
@@ -437,7 +472,8 @@ def from_args(args: argparse.Namespace) -> TrainerConfig:
                       aux_loss_coeff=args.moe_aux_loss_coeff),
         recompute=RecomputeConfig(granularity=args.recompute, modules=list(args.recompute_modules or ["core_attn"]),
                                   num_layers=args.recompute_num_layers),
-        cuda_graph=CudaGraphConfig(scope=list(args.cuda_graph_scope or []), warmup_steps=args.cuda_graph_warmup_steps),
+        cuda_graph=CudaGraphConfig(scope=list(args.cuda_graph_scope or []), warmup_steps=args.cuda_graph_warmup_steps,
+                                   static_shapes=args.static_shapes),
         train=_named_as_fields(TrainConfig, args, seq_len=args.seq_len or TrainConfig.seq_len),
         checkpoint=_named_as_fields(CheckpointingConfig, args),  # trainer.checkpoint.add_long_run_args
         eval=_named_as_fields(EvalConfig, args),

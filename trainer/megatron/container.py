@@ -27,6 +27,7 @@ from datasvc.registry import pipeline_part
 from trainer.config import TrainerConfig
 from trainer.megatron.metrics import TimedIterator
 from trainer.megatron.provider import VlmfeedDataProvider, feed_from_stream, without_missing_kernels
+from trainer.megatron.vision_graphs import within_frames_hook
 from trainer.vision_chunks import chunk_vision_hook
 
 
@@ -110,14 +111,21 @@ def _set_recompute(provider, cfg: TrainerConfig) -> None:
 
 
 def _set_cuda_graphs(provider, cfg: TrainerConfig) -> None:
-    """CUDA graphs (per layer, Transformer Engine), using megatron-core 0.19's cuda_graph_modules."""
+    """CUDA graphs (per layer, Transformer Engine), using megatron-core 0.19's cuda_graph_modules;
+    with --static-shapes, the vision tower's whole layers at one fixed length, under the per-frame
+    mask (Bridge captures them after the warm-up steps, beside the decoder's)."""
     cg = cfg.cuda_graph
+    provider.cuda_graph_warmup_steps = cg.warmup_steps
     if cg.scope:
         provider.cuda_graph_impl = "transformer_engine"
         provider.cuda_graph_modules = list(cg.scope)
-        provider.cuda_graph_warmup_steps = cg.warmup_steps
     else:
         provider.cuda_graph_impl = "none"
+    if cg.static_shapes:
+        provider.vision_cuda_graph_impl = "transformer_engine"
+        provider.vision_cuda_graph_scope = []
+        provider.max_vision_cuda_graph_seq_length = cg.vision_length(cfg.train.mbs, cfg.train.seq_len)
+        provider.register_pre_wrap_hook(within_frames_hook)
 
 
 # ------------------------------------------------------------------------------------------------
