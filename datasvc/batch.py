@@ -1,4 +1,5 @@
-"""What flows between stages: one encoded sample, and one packed micro-batch.
+"""What flows between stages: one encoded sample, one packed micro-batch, and that micro-batch as a rank
+trains on it (``TrainBatch``).
 
 Arrays are numpy so they cross the Ray object store without copies. Images travel as uint8 pixels,
 one temporal frame, in raster order, in rows of 768 bytes (one patch's worth): resized to their grid
@@ -10,9 +11,13 @@ permutation to the rank's GPU, where they cost microseconds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: this module's users need not have it
+    import torch
 
 IGNORE_INDEX = -100
 _NO_VIDEO_ROWS = np.zeros((0, 0), np.uint8)
@@ -21,28 +26,6 @@ _NO_GRIDS = np.zeros((0, 3), np.int64)
 
 def grid_patches(grid_thw: np.ndarray) -> int:
     return int(np.prod(np.asarray(grid_thw, np.int64).reshape(-1, 3), axis=1).sum())
-
-
-def vision_patches(batch: dict) -> int:
-    """A micro-batch's vision patches, images and videos: the tower's input size. Its grids may
-    be numpy arrays or torch tensors on any device."""
-    grids = (batch.get("image_grid_thw"), batch.get("video_grid_thw"))
-    return sum(int(g.prod(-1).sum()) for g in grids if g is not None and g.shape[0])
-
-
-def vision_patches_sq(batch: dict) -> int:
-    """Sum over the tower's attention units of their patches squared: the tower attends within
-    each image, and within each temporal group of a video (``t`` units of ``h * w`` patches)."""
-    grids = (batch.get("image_grid_thw"), batch.get("video_grid_thw"))
-    return sum(int((g[:, 0] * (g[:, 1] * g[:, 2]) ** 2).sum()) for g in grids if g is not None and g.shape[0])
-
-
-def sample_tokens_sq(batch: dict) -> int:
-    """Sum over the micro-batch's samples of their tokens squared (the decoder attends per sample).
-    Its tensors may be numpy arrays or torch tensors on any device."""
-    cu, counts = (np.asarray(x.cpu() if hasattr(x, "cpu") else x, dtype=np.int64)
-                  for x in (batch["cu_seqlens"], batch["num_samples"]))
-    return int(sum((np.diff(cu[r, :n + 1]) ** 2).sum() for r, n in enumerate(counts)))
 
 
 @dataclass(slots=True)
@@ -146,3 +129,66 @@ class PackedBatch:
             for j in range(n):
                 spans.append((r, int(self.cu_seqlens[r, j]), int(self.cu_seqlens[r, j + 1])))
         return spans
+
+
+# eq=False: a batch is compared by identity, as a tensor has no single truth value to compare fields by.
+@dataclass(kw_only=True, slots=True, eq=False)
+class TrainBatch:
+    """One micro-batch as a rank trains on it: ``PackedBatch``'s rows as torch tensors, on the rank's
+    device, with the model's float ``pixel_values`` in the client's ``pixel_dtype``
+    (``datasvc.stream.tensors.batch_tensors`` makes it; ``DataClient`` yields it). Both trainer
+    backends and the benches' peer data paths take this type. ``as_dict()`` gives the fields as a
+    dict, for code that wants one."""
+
+    tokens: torch.Tensor  # int64 [B, S]
+    labels: torch.Tensor  # int64 [B, S], already shifted; -100 where not supervised
+    loss_mask: torch.Tensor  # float32 [B, S]
+    cu_seqlens: torch.Tensor  # int32 [B, K+1], K = max samples per row; the unused tail repeats the end
+    num_samples: torch.Tensor  # int32 [B]
+    pixel_values: torch.Tensor  # pixel_dtype [N, C*T*P*P] in patch order, N = the images' t*h*w summed
+    image_grid_thw: torch.Tensor  # int64 [n_images, 3]
+    sample_keys: list[str] = field(default_factory=list)  # "shard/key", in row-major order
+    sample_epochs: list[int] = field(default_factory=list)  # the epoch each sample was drawn for, as sample_keys
+    pixel_values_videos: torch.Tensor | None = None  # pixel_dtype [sum(t*h*w), C*T*P*P]; None without videos
+    video_grid_thw: torch.Tensor | None = None  # int64 [n_videos, 3]; None without videos
+
+    @property
+    def has_videos(self) -> bool:
+        return self.video_grid_thw is not None and self.video_grid_thw.shape[0] > 0
+
+    @property
+    def vision_patches(self) -> int:
+        """Vision patches, images and videos: the tower's input size. The grids may be numpy arrays
+        or torch tensors on any device."""
+        grids = (self.image_grid_thw, self.video_grid_thw)
+        return sum(int(g.prod(-1).sum()) for g in grids if g is not None and g.shape[0])
+
+    @property
+    def vision_patches_sq(self) -> int:
+        """Sum over the tower's attention units of their patches squared: the tower attends within
+        each image, and within each temporal group of a video (``t`` units of ``h * w`` patches)."""
+        grids = (self.image_grid_thw, self.video_grid_thw)
+        return sum(int((g[:, 0] * (g[:, 1] * g[:, 2]) ** 2).sum()) for g in grids if g is not None and g.shape[0])
+
+    @property
+    def sample_tokens_sq(self) -> int:
+        """Sum over the samples of their tokens squared (the decoder attends per sample). The
+        boundaries may be numpy arrays or torch tensors on any device."""
+        cu, counts = (np.asarray(x.cpu() if hasattr(x, "cpu") else x, dtype=np.int64)
+                      for x in (self.cu_seqlens, self.num_samples))
+        return int(sum((np.diff(cu[r, :n + 1]) ** 2).sum() for r, n in enumerate(counts)))
+
+    def to(self, device, *, non_blocking: bool = False) -> TrainBatch:
+        """The batch with its tensors on ``device``, dtypes kept; the key and epoch lists are shared."""
+        import torch
+
+        return TrainBatch(**{name: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor)
+                             else value for name, value in self._items()})
+
+    def as_dict(self) -> dict:
+        """The fields by name, the video ones left out when the batch holds none (their None is no value
+        to hand on)."""
+        return {name: value for name, value in self._items() if value is not None}
+
+    def _items(self):
+        return ((f.name, getattr(self, f.name)) for f in fields(self))

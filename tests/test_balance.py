@@ -452,24 +452,6 @@ def test_profile_writes_the_predicted_straggler_ratio_with_and_without_balancing
     assert run["dp"] == 4 and run["balance"] is True and run["measured_micro_batches"] > 0
 
 
-def test_step_inputs_count_attention_per_image_per_temporal_group_and_per_sample():
-    """What a step record carries for the fit: the tower attends within an image and within each
-    temporal group of a video; the decoder within each sample of a row, never across rows' padding."""
-    import torch
-
-    from datasvc.batch import sample_tokens_sq, vision_patches, vision_patches_sq
-
-    batch = {"image_grid_thw": torch.tensor([[1, 4, 6], [1, 2, 2]]), "video_grid_thw": np.array([[3, 2, 4]]),
-             "cu_seqlens": torch.tensor([[0, 3, 10, 10], [0, 5, 5, 5]], dtype=torch.int32),
-             "num_samples": torch.tensor([2, 1])}
-    assert vision_patches(batch) == 24 + 4 + 24
-    assert vision_patches_sq(batch) == 24**2 + 4**2 + 3 * 8**2
-    assert sample_tokens_sq(batch) == 3**2 + 7**2 + 5**2
-    text_only = {"image_grid_thw": np.zeros((0, 3), np.int64), "video_grid_thw": None,
-                 "cu_seqlens": np.array([[0, 4, 4]]), "num_samples": np.array([1])}
-    assert vision_patches_sq(text_only) == 0 and sample_tokens_sq(text_only) == 16
-
-
 def test_a_calibration_prices_its_own_model_as_fitted_and_others_as_derived():
     from pipelines.qwen3vl import cost
 

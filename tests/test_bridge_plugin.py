@@ -82,7 +82,7 @@ def test_rank_zero_owns_the_service_and_bridge_gets_the_stream(mb, photo_shards,
         train_ds, valid_ds, _ = get_dataset_provider(c.dataset)([2, 0, 0], c.dataset)
         assert train_ds is feed.iterator and valid_ds is None
         batch = next(train_ds)
-        assert tuple(batch["tokens"].shape) == (2, 1024) and batch["pixel_values"].shape[0] > 0
+        assert tuple(batch.tokens.shape) == (2, 1024) and batch.pixel_values.shape[0] > 0
         state = train_ds.save_state()
         assert state["dp_rank"] == 0 and state["step"] == 1
         ray.get_actor(feeder_name("plugin-test", 0))  # started by rank 0, named for the run

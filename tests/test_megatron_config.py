@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from datasvc.batch import TrainBatch
 from trainer.config import (
     ConfigError,
     CudaGraphConfig,
@@ -295,7 +296,7 @@ def make_sample(n_text_before: int, grids: list[tuple[int, int, int]], n_text_af
 
 
 def make_batch(rows: list[list[tuple]], S: int):
-    """rows: per row, a list of (tokens, labels, grids); returns the DataClient batch dict."""
+    """rows: per row, a list of (tokens, labels, grids); returns the DataClient's TrainBatch."""
     B, K = len(rows), max(len(r) for r in rows)
     tokens = torch.full((B, S), 151643, dtype=torch.long)
     labels = torch.full((B, S), -100, dtype=torch.long)
@@ -310,12 +311,12 @@ def make_batch(rows: list[list[tuple]], S: int):
             cu[r, j + 1] = at
             grids += gr
         cu[r, len(samples) + 1:] = at
-    return {
-        "tokens": tokens, "labels": labels, "loss_mask": (labels != -100).float(), "cu_seqlens": cu,
-        "num_samples": torch.tensor([len(r) for r in rows], dtype=torch.int32),
-        "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
-        "pixel_values": torch.zeros(sum(t * h * w for t, h, w in grids), 1536),
-    }
+    return TrainBatch(
+        tokens=tokens, labels=labels, loss_mask=(labels != -100).float(), cu_seqlens=cu,
+        num_samples=torch.tensor([len(r) for r in rows], dtype=torch.int32),
+        image_grid_thw=torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
+        pixel_values=torch.zeros(sum(t * h * w for t, h, w in grids), 1536),
+    )
 
 
 @pytest.fixture()
@@ -330,7 +331,7 @@ def batch():
 @needs_bridge
 def test_pack_thd_in_place(mb, batch):
     b, samples = batch
-    p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
+    p = mb.thd.pack_thd(b.tokens, b.labels, b.loss_mask, b.cu_seqlens, b.num_samples)
     # Row 0: 20 + 16 + filler 12; row 1: 9 + 21 + filler 18. Fixed T = B*S.
     assert p.tokens.shape == (1, 96)
     assert p.cu_seqlens_padded.tolist() == [0, 20, 36, 48, 57, 78, 96]
@@ -341,7 +342,7 @@ def test_pack_thd_in_place(mb, batch):
         assert torch.equal(p.tokens[0, a:e], tk)
     assert p.loss_mask[0, 36:48].sum() == 0 and p.loss_mask[0, 78:].sum() == 0
     assert (p.labels >= 0).all()  # -100 mapped to the pad id, masked
-    assert torch.equal(p.loss_mask.bool(), (b["labels"] != -100).reshape(1, -1))
+    assert torch.equal(p.loss_mask.bool(), (b.labels != -100).reshape(1, -1))
     params = p.params
     assert params.qkv_format == "thd" and params.max_seqlen_q == 21
     assert torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)
@@ -352,7 +353,7 @@ def test_pack_thd_in_place(mb, batch):
 def test_pack_thd_context_parallel_layout(mb, batch):
     b, samples = batch
     # CP=2: every segment a multiple of 4; TP=2 with SP: T a multiple of TP*CP = 4.
-    p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
+    p = mb.thd.pack_thd(b.tokens, b.labels, b.loss_mask, b.cu_seqlens, b.num_samples,
                     segment_multiple=4, total_multiple=4)
     phys = p.cu_seqlens_padded.tolist()
     real = p.cu_seqlens.tolist()
@@ -374,8 +375,8 @@ def test_mrope_restarts_per_sample(mb, batch):
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
 
     b, samples = batch
-    p = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"])
-    pos = mb.thd.mrope_position_ids(p, QWEN3VL_IDS, b["image_grid_thw"])
+    p = mb.thd.pack_thd(b.tokens, b.labels, b.loss_mask, b.cu_seqlens, b.num_samples)
+    pos = mb.thd.mrope_position_ids(p, QWEN3VL_IDS, b.image_grid_thw)
     assert pos.shape == (3, 1, 96)
     for (a, e), (tk, _, grids) in zip(p.sample_spans, samples):
         assert pos[:, 0, a].tolist() == [0, 0, 0]  # restarts
@@ -387,9 +388,9 @@ def test_mrope_restarts_per_sample(mb, batch):
     assert pos[1, 0, a:a + 6].tolist() == [6, 6, 6, 7, 7, 7] and pos[2, 0, a:a + 6].tolist() == [6, 7, 8, 6, 7, 8]
 
     # Same under the CP layout (padding between samples).
-    q = mb.thd.pack_thd(b["tokens"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["num_samples"],
+    q = mb.thd.pack_thd(b.tokens, b.labels, b.loss_mask, b.cu_seqlens, b.num_samples,
                     segment_multiple=4, total_multiple=4)
-    qpos = mb.thd.mrope_position_ids(q, QWEN3VL_IDS, b["image_grid_thw"])
+    qpos = mb.thd.mrope_position_ids(q, QWEN3VL_IDS, b.image_grid_thw)
     for (a, e), (pa, pe) in zip(q.sample_spans, p.sample_spans):
         assert torch.equal(qpos[:, 0, a:e], pos[:, 0, pa:pe])
 
@@ -449,8 +450,8 @@ def test_stock_adapter_takes_one_sample_per_row(mb, batch):
     single = make_batch([[(*make_sample(4, [(1, 4, 4)], 5, 9), [(1, 4, 4)])]], S=32)
     stock = mb.step.to_stock_batch(single)
     assert "cu_seqlens" not in stock and stock["position_ids"] is None
-    assert torch.equal(stock["visual_inputs"].image_grid_thw, single["image_grid_thw"])
-    assert (stock["labels"] >= 0).all() and stock["loss_mask"].sum() == (single["labels"] != -100).sum()
+    assert torch.equal(stock["visual_inputs"].image_grid_thw, single.image_grid_thw)
+    assert (stock["labels"] >= 0).all() and stock["loss_mask"].sum() == (single.labels != -100).sum()
     stocked = mb.metrics.TimedIterator(Replayable([single]), adapt=mb.step.to_stock_batch)
     assert "visual_inputs" in next(stocked) and stocked.real_tokens == 15
 
@@ -485,12 +486,12 @@ def test_the_video_proof_row_is_what_bridges_model_takes(mb):
 
     rng = torch.Generator().manual_seed(7)
     batch = rows_to_batch([proof_samples(rng, with_video=True)], 4096, torch.device("cpu"), rng)
-    packed = mb.thd.pack_thd(batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"],
-                             batch["num_samples"])
-    positions = mb.thd.mrope_position_ids(packed, QWEN3VL_IDS, batch["image_grid_thw"], batch["video_grid_thw"])
+    packed = mb.thd.pack_thd(batch.tokens, batch.labels, batch.loss_mask, batch.cu_seqlens,
+                             batch.num_samples)
+    positions = mb.thd.mrope_position_ids(packed, QWEN3VL_IDS, batch.image_grid_thw, batch.video_grid_thw)
     assert positions.shape == (3, 1, packed.tokens.shape[1])
-    data, grids, mask = reorganize_inputs(packed.tokens, batch["pixel_values"], batch["pixel_values_videos"],
-                                          batch["image_grid_thw"], batch["video_grid_thw"])
+    data, grids, mask = reorganize_inputs(packed.tokens, batch.pixel_values, batch.pixel_values_videos,
+                                          batch.image_grid_thw, batch.video_grid_thw)
     assert grids.tolist() == [[1, 28, 28], [1, 12, 12], [4, 16, 16], [1, 32, 20], [2, 20, 12]]
     assert data.shape[0] == int(grids.prod(-1).sum()) == int(mask.sum()) * 4
 

@@ -45,7 +45,7 @@ def setting():
 def check(batch, setting):
     v = setting.vision()
     counts = check_contract(batch, TOKENS.image_pad, v.merge_size, PATCH_DIM, setting.seq_len)
-    assert batch["pixel_values"].dtype == torch.float32
+    assert batch.pixel_values.dtype == torch.float32
     return counts
 
 
@@ -105,7 +105,7 @@ def test_ray_data_path_yields_the_rank_contract(setting, own_ray):
     counts = [check(b, setting) for b in batches]
     assert sum(c["rows"] for c in counts) == 12 and sum(c["images"] for c in counts) == 15
     assert len(path.worker_pids) == 1  # the one actor of the pool
-    keys = [k for b in batches for k in b["sample_keys"]]
+    keys = [k for b in batches for k in b.sample_keys]
     assert len(set(keys)) == 12
 
 
@@ -119,7 +119,7 @@ def test_vlmfeed_path_yields_the_rank_contract(setting, own_ray):
         path.close()
     counts = [check(b, setting) for b in batches]
     assert all(c["rows"] == setting.mbs for c in counts)
-    assert max(int(b["num_samples"].max()) for b in batches) > 1  # packed rows
+    assert max(int(b.num_samples.max()) for b in batches) > 1  # packed rows
     assert sum(c["real_token_fraction"] for c in counts) / len(counts) > 0.8
 
 
@@ -200,8 +200,8 @@ try:
 finally:
     path.close()
 print(json.dumps({"counts": [check(b, SETTING) for b in batches],
-                  "samples": [b["num_samples"].tolist() for b in batches],
-                  "keys": [k for b in batches for k in b["sample_keys"]]}))
+                  "samples": [b.num_samples.tolist() for b in batches],
+                  "keys": [k for b in batches for k in b.sample_keys]}))
 """
 
 

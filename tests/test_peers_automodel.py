@@ -2,6 +2,7 @@
 ``neat_pack_dataset_vlm`` plan by ``greedy_knapsack_vt_balanced``, its THD collater) runs in its own
 environment and process on the bundled shards, and the rank reads packed micro-batches in the rank's
 contract; the plan is AutoModel's: every sample in one pack, packs served in ascending vision work."""
+import dataclasses
 import os
 
 import pytest
@@ -29,10 +30,11 @@ def test_the_collated_batch_becomes_the_rank_contract():
                 "image_grid_thw": torch.tensor([[1, 2, 4]])}
     collated["labels"][0, 1] = 7
     out = rank_contract(collated, ["a", "b", "c", "d"])
-    assert out["cu_seqlens"].dtype == torch.int32
-    assert out["cu_seqlens"].tolist() == [[0, 3, 7, 8], [0, 5, 5, 5]]  # the unused tail repeats the row's end
-    assert out["num_samples"].tolist() == [3, 1]
-    assert out["loss_mask"].dtype == torch.float32 and out["loss_mask"].sum() == 1 and out["loss_mask"][0, 1] == 1
+    assert out.cu_seqlens.dtype == torch.int32
+    assert out.cu_seqlens.tolist() == [[0, 3, 7, 8], [0, 5, 5, 5]]  # the unused tail repeats the row's end
+    assert out.num_samples.tolist() == [3, 1]
+    assert out.loss_mask.dtype == torch.float32 and out.loss_mask.sum() == 1 and out.loss_mask[0, 1] == 1
+    assert out.sample_keys == ["a", "b", "c", "d"] and out.video_grid_thw is None
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +58,19 @@ def test_automodel_packing_yields_packed_rows_in_the_rank_contract(packed_batche
     batches = packed_batches["batches"]
     counts = [check_packed(b) for b in batches]
     assert all(c["rows"] == SETTING.mbs and c["width"] == SETTING.seq_len for c in counts)
-    assert all(n > 1 for b in batches for n in b["num_samples"].tolist())  # several samples a row
-    assert all(len(b["sample_keys"]) == int(b["num_samples"].sum()) for b in batches)
+    assert all(n > 1 for b in batches for n in b.num_samples.tolist())  # several samples a row
+    assert all(len(b.sample_keys) == int(b.num_samples.sum()) for b in batches)
     # Two packs hold the 12 samples at 4096 tokens a row: one micro-batch is the whole first pass.
     everyone = sorted(s["key"] for s in shard_samples(SHARDS))
-    assert sorted(batches[0]["sample_keys"]) == everyone
+    assert sorted(batches[0].sample_keys) == everyone
     assert counts[0]["images"] == 15
 
 
 def check_packed(batch):
     # AutoModel's collater hands pixel values over in bfloat16 (its model's dtype); the contract's
     # check takes any float, the test_peers helper float32 only.
-    counts = check(dict(batch, pixel_values=batch["pixel_values"].float()), SETTING)
-    assert batch["pixel_values"].dtype == torch.bfloat16
+    counts = check(dataclasses.replace(batch, pixel_values=batch.pixel_values.float()), SETTING)
+    assert batch.pixel_values.dtype == torch.bfloat16
     return counts
 
 
@@ -78,10 +80,10 @@ def test_the_plan_is_automodels_vision_balanced_knapsack(packed_batches):
     assert sorted(keys) == sorted(s["key"] for s in shard_samples(SHARDS))  # each sample in one pack
     # The rows are the plan's packs in its order, and each pass serves the same order (no shuffle:
     # consecutive packs go to the DP ranks of one step).
-    rows = batches[0]["sample_keys"]
+    rows = batches[0].sample_keys
     assert rows == keys[:len(rows)]
-    assert batches[1]["sample_keys"] == batches[0]["sample_keys"] == batches[2]["sample_keys"]
+    assert batches[1].sample_keys == batches[0].sample_keys == batches[2].sample_keys
     # greedy_knapsack_vt_balanced serves packs in ascending vision tokens.
-    vision = [int((row == TOKENS.image_pad).sum()) for b in batches[:1] for row in b["tokens"]]
+    vision = [int((row == TOKENS.image_pad).sum()) for b in batches[:1] for row in b.tokens]
     assert vision == sorted(vision) and vision[0] < vision[-1], vision
     assert os.path.exists(packed_batches["log"])

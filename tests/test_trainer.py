@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from datasvc.service.cluster import local_auth_env
 from trainer.workers import RankLayout
@@ -37,6 +36,7 @@ def test_split_samples_restores_each_sample(photo_shards, qwen3vl, cpu_decoder):
     from datasvc.pack.packing import PackingConfig, pack
     from datasvc.read.shards import index_shard
     from datasvc.stream.process import process_item
+    from datasvc.stream.tensors import batch_tensors
     from datasvc.wire import WorkItem
     from trainer.cpu_backend import split_samples
 
@@ -45,10 +45,7 @@ def test_split_samples_restores_each_sample(photo_shards, qwen3vl, cpu_decoder):
     batches, _ = pack(res.samples, PackingConfig(seq_len=8192, micro_batch_size=2, pad_id=qwen3vl.pad_id), 768)
     by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
     for b in batches:
-        t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
-             ("tokens", "labels", "cu_seqlens", "num_samples", "image_grid_thw")}
-        t["pixel_values"] = torch.from_numpy(to_pixel_values(b.pixels, qwen3vl.vision, b.image_grid_thw))
-        parts = split_samples(t, qwen3vl.tokens.image_pad, qwen3vl.video_pad)
+        parts = split_samples(batch_tensors(b, qwen3vl.vision), qwen3vl.tokens.image_pad, qwen3vl.video_pad)
         assert len(parts) == len(b.sample_keys)
         for part, key in zip(parts, b.sample_keys):
             s = by_key[key]

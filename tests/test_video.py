@@ -425,9 +425,9 @@ def test_the_cpu_model_trains_on_packed_image_and_video_samples(tmp_path, clips,
     (transformers) takes each sample's tokens, grids and pixel_values_videos and gives a finite loss."""
     import torch
 
-    from datasvc.media.vision import to_pixel_values
     from datasvc.pack.packing import PackingConfig, pack
     from datasvc.samples import encode_image
+    from datasvc.stream.tensors import batch_tensors
     from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
     from trainer.cpu_backend import sample_loss, split_samples
 
@@ -438,11 +438,7 @@ def test_the_cpu_model_trains_on_packed_image_and_video_samples(tmp_path, clips,
     assert not reasons
     (b,), _ = pack(res.samples, PackingConfig(seq_len=4096, micro_batch_size=1, pad_id=qwen3vl.pad_id), 768)
     assert b.num_samples.tolist() == [3]
-    t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
-         ("tokens", "labels", "cu_seqlens", "num_samples", "image_grid_thw", "video_grid_thw")}
-    t["pixel_values"] = torch.from_numpy(to_pixel_values(b.pixels, vision, b.image_grid_thw))
-    t["pixel_values_videos"] = torch.from_numpy(to_video_pixel_values(b.video_pixels, vision, b.video_grid_thw))
-    parts = split_samples(t, qwen3vl.tokens.image_pad, qwen3vl.video_pad)
+    parts = split_samples(batch_tensors(b, vision), qwen3vl.tokens.image_pad, qwen3vl.video_pad)
     by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
     model = build_model(CpuModelConfig(), seed=0)
     for part, key in zip(parts, b.sample_keys):
@@ -549,6 +545,7 @@ def test_packed_mrope_of_videos_matches_each_sample_alone_and_the_hf_model(tmp_p
 
     from datasvc.pack.packing import PackingConfig, pack
     from datasvc.samples import encode_image
+    from datasvc.stream.tensors import batch_tensors
     from pipelines.qwen3vl.cpu_model import CpuModelConfig, build_model
     from trainer.megatron.thd import mrope_position_ids, pack_thd
 
@@ -558,12 +555,11 @@ def test_packed_mrope_of_videos_matches_each_sample_alone_and_the_hf_model(tmp_p
     res, reasons = _run(write_tar(tmp_path / "rope.tar", members), qwen3vl, cpu_decoder)
     assert not reasons
     (b,), _ = pack(res.samples, PackingConfig(seq_len=4096, micro_batch_size=1, pad_id=qwen3vl.pad_id), 768)
-    t = {k: torch.from_numpy(np.array(getattr(b, k))) for k in
-         ("tokens", "labels", "loss_mask", "cu_seqlens", "num_samples", "image_grid_thw", "video_grid_thw")}
-    packed = pack_thd(t["tokens"], t["labels"], t["loss_mask"], t["cu_seqlens"], t["num_samples"])
+    t = batch_tensors(b, qwen3vl.vision)
+    packed = pack_thd(t.tokens, t.labels, t.loss_mask, t.cu_seqlens, t.num_samples)
     from test_megatron_config import QWEN3VL_IDS
 
-    pos = mrope_position_ids(packed, QWEN3VL_IDS, t["image_grid_thw"], t["video_grid_thw"])
+    pos = mrope_position_ids(packed, QWEN3VL_IDS, t.image_grid_thw, t.video_grid_thw)
     by_key = {f"{s.shard}/{s.key}": s for s in res.samples}
     hf = build_model(CpuModelConfig(), seed=0).model
     for (a, e), key in zip(packed.sample_spans, b.sample_keys):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from datasvc.batch import IGNORE_INDEX, vision_patches
+from datasvc.batch import IGNORE_INDEX, TrainBatch
 from datasvc.registry import pipeline_part
 from trainer.checkpoint import commit, load_cpu, save_cpu
 from trainer.config import TrainerConfig
@@ -34,20 +34,21 @@ def _runs(ids: torch.Tensor, token: int) -> int:
     return int(((ids[1:] == token) & (ids[:-1] != token)).sum() + int(ids[0] == token))
 
 
-def split_samples(batch: dict, image_pad: int, video_pad: int) -> list[dict]:
-    """Packed rows -> one dict per sample with its own tokens, labels, image and video patches
-    (``image_pad``, ``video_pad``: the model's pad token ids, which mark where each image and video is)."""
-    grids = batch["image_grid_thw"]
+def split_samples(batch: TrainBatch, image_pad: int, video_pad: int) -> list[dict]:
+    """Packed rows -> one dict per sample of the model's keyword arguments: its own tokens, labels,
+    image and video patches (``image_pad``, ``video_pad``: the model's pad token ids, which mark where
+    each image and video is)."""
+    grids = batch.image_grid_thw
     patch_counts = (grids.prod(dim=1)).tolist() if len(grids) else []
-    video_grids = batch.get("video_grid_thw", torch.zeros((0, 3), dtype=torch.int64))
+    video_grids = batch.video_grid_thw if batch.has_videos else torch.zeros((0, 3), dtype=torch.int64)
     video_thw = video_grids.tolist()
     image_i, patch_off, video_i, video_off = 0, 0, 0, 0
     samples = []
-    for r in range(batch["tokens"].shape[0]):
-        cu = batch["cu_seqlens"][r]
-        for j in range(int(batch["num_samples"][r])):
+    for r in range(batch.tokens.shape[0]):
+        cu = batch.cu_seqlens[r]
+        for j in range(int(batch.num_samples[r])):
             s, e = int(cu[j]), int(cu[j + 1])
-            ids = batch["tokens"][r, s:e]
+            ids = batch.tokens[r, s:e]
             n_img = _runs(ids, image_pad)
             n_patch = sum(patch_counts[image_i:image_i + n_img])
             groups, n_vid = _runs(ids, video_pad), 0
@@ -57,12 +58,12 @@ def split_samples(batch: dict, image_pad: int, video_pad: int) -> list[dict]:
             n_vpatch = sum(t * h * w for t, h, w in video_thw[video_i:video_i + n_vid])
             sample = {
                 "input_ids": ids,
-                "labels": batch["labels"][r, s:e],
-                "pixel_values": batch["pixel_values"][patch_off:patch_off + n_patch],
+                "labels": batch.labels[r, s:e],
+                "pixel_values": batch.pixel_values[patch_off:patch_off + n_patch],
                 "image_grid_thw": grids[image_i:image_i + n_img],
             }
             if n_vid:
-                sample["pixel_values_videos"] = batch["pixel_values_videos"][video_off:video_off + n_vpatch]
+                sample["pixel_values_videos"] = batch.pixel_values_videos[video_off:video_off + n_vpatch]
                 sample["video_grid_thw"] = video_grids[video_i:video_i + n_vid]
             samples.append(sample)
             image_i += n_img
@@ -218,10 +219,10 @@ def _train_step(model, opt, data_iter, me: CpuRank, step: int, n_params: int) ->
     for _ in range(me.grad_accum):
         batch = next(data_iter)
         micro.append(batch)
-        real += int(batch["cu_seqlens"][torch.arange(len(batch["num_samples"])), batch["num_samples"].long()].sum())
-        total += batch["tokens"].numel()
+        real += int(batch.cu_seqlens[torch.arange(len(batch.num_samples)), batch.num_samples.long()].sum())
+        total += batch.tokens.numel()
     # Normalize by supervised tokens across the whole global batch, as Megatron's per-token loss does.
-    local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
+    local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro)
     global_tokens = torch.tensor([local_tokens], dtype=torch.float64)
     if me.world > 1:
         dist.all_reduce(global_tokens)
@@ -242,8 +243,8 @@ def _train_step(model, opt, data_iter, me: CpuRank, step: int, n_params: int) ->
     stats = torch.tensor([float(loss_sum), n_tok, real, total], dtype=torch.float64)
     if me.world > 1:
         dist.all_reduce(stats)
-    gathered = gather_rank_spread(compute_s, sum(vision_patches(b) for b in micro))
-    keys = [[k, e] for b in micro for k, e in zip(b["sample_keys"], b["sample_epochs"])]
+    gathered = gather_rank_spread(compute_s, sum(b.vision_patches for b in micro))
+    keys = [[k, e] for b in micro for k, e in zip(b.sample_keys, b.sample_epochs)]
     if me.world > 1:
         every = [None] * me.world
         dist.all_gather_object(every, keys)

@@ -33,8 +33,8 @@ from datasvc.stream.tensors import batch_tensors
 
 
 class DataClient:
-    """A rank's micro-batches in order. ``output="torch"``: dicts of tensors on ``device`` with the
-    model's ``pixel_values`` (images the actors left unresized resized here, on that device);
+    """A rank's micro-batches in order. ``output="torch"``: ``TrainBatch``es of tensors on ``device`` with
+    the model's ``pixel_values`` (images the actors left unresized resized here, on that device);
     ``"numpy"``: the ``PackedBatch`` itself, whose pixels ``vision.to_pixel_values(...,
     frames_hw=batch.image_frame_hw)`` makes into ``pixel_values``."""
 

@@ -1,16 +1,16 @@
-"""A packed micro-batch as a model takes it: torch tensors, with ``pixel_values`` made from the uint8
-pixel rows. No Ray: the service's client (``datasvc.service.client``) and an in-process
-``BlockProducer`` loop use the same function."""
+"""A packed micro-batch as a model takes it: a ``TrainBatch`` of torch tensors, with ``pixel_values``
+made from the uint8 pixel rows. No Ray: the service's client (``datasvc.service.client``) and an
+in-process ``BlockProducer`` loop use the same function."""
 from __future__ import annotations
 
 import numpy as np
 
-from datasvc.batch import PackedBatch
+from datasvc.batch import PackedBatch, TrainBatch
 from datasvc.media.vision import to_pixel_values
 
 
-def batch_tensors(packed: PackedBatch, spec, device: str | None = None, pixel_dtype: str = "float32") -> dict:
-    """A micro-batch as the model takes it: torch tensors (pinned and moved to ``device`` when it is
+def batch_tensors(packed: PackedBatch, spec, device: str | None = None, pixel_dtype: str = "float32") -> TrainBatch:
+    """The ``TrainBatch`` a rank trains on: torch tensors (pinned and moved to ``device`` when it is
     a GPU) with ``pixel_values`` (and ``pixel_values_videos``) made from the uint8 rows. ``spec``:
     the pipeline's vision spec, ``datasvc.registry.get_layout(cfg.pipeline, **cfg.pipeline_options).vision``."""
     import torch
@@ -24,19 +24,19 @@ def batch_tensors(packed: PackedBatch, spec, device: str | None = None, pixel_dt
         return t
 
     dtype = getattr(torch, pixel_dtype)
-    return {
-        "tokens": tensor(packed.tokens),
-        "labels": tensor(packed.labels),
-        "loss_mask": tensor(packed.loss_mask),
-        "cu_seqlens": tensor(packed.cu_seqlens),
-        "num_samples": tensor(packed.num_samples),
-        "pixel_values": to_pixel_values(tensor(packed.pixels), spec, packed.image_grid_thw, dtype=dtype,
-                                        frames_hw=packed.image_frame_hw),
-        "image_grid_thw": tensor(packed.image_grid_thw),
-        "sample_keys": list(packed.sample_keys),
-        "sample_epochs": [] if packed.sample_epochs is None else packed.sample_epochs.tolist(),
+    return TrainBatch(
+        tokens=tensor(packed.tokens),
+        labels=tensor(packed.labels),
+        loss_mask=tensor(packed.loss_mask),
+        cu_seqlens=tensor(packed.cu_seqlens),
+        num_samples=tensor(packed.num_samples),
+        pixel_values=to_pixel_values(tensor(packed.pixels), spec, packed.image_grid_thw, dtype=dtype,
+                                     frames_hw=packed.image_frame_hw),
+        image_grid_thw=tensor(packed.image_grid_thw),
+        sample_keys=list(packed.sample_keys),
+        sample_epochs=[] if packed.sample_epochs is None else packed.sample_epochs.tolist(),
         **_videos(packed, spec, tensor, dtype),
-    }
+    )
 
 
 def _videos(packed: PackedBatch, spec, tensor, dtype) -> dict:

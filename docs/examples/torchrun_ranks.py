@@ -31,9 +31,10 @@ def main() -> None:
     dist.barrier()  # the feeders exist
     client = attach(cfg, dp_rank=rank, run=run)
     for step, batch in zip(range(STEPS), client):
-        # model(**batch); loss.backward(); optimizer.step() ... (every rank the same number of steps)
-        print(json.dumps({"rank": rank, "step": step, "keys": batch["sample_keys"], "epochs": batch["sample_epochs"],
-                          "tokens": list(batch["tokens"].shape)}), flush=True)
+        # batch is a TrainBatch: model(batch.tokens, ...); loss.backward(); optimizer.step() ... (every rank
+        # the same number of steps)
+        print(json.dumps({"rank": rank, "step": step, "keys": batch.sample_keys, "epochs": batch.sample_epochs,
+                          "tokens": list(batch.tokens.shape)}), flush=True)
     client.close()
     dist.barrier()  # every rank is done with its feeder
     if service is not None:

@@ -16,7 +16,8 @@ sorted by vision tokens so consecutive packs, one per DP rank in a step, carry s
 ``packed_sequence_thd_vlm_collater``. Each micro-batch leaves as the rank's contract.
 
 Wire format on stdout: one frame per message, an 8-byte little-endian length and a ``torch.save``
-payload: first the plan (``{"bins": [[sample key, ...], ...]}``), then micro-batches without end.
+payload: first the plan (``{"bins": [[sample key, ...], ...]}``), then micro-batches without end, each
+a ``TrainBatch.as_dict()`` (the reader loads weights only, which admits no class of ours).
 Everything else the libraries print goes to stderr.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from functools import partial
 import torch
 from PIL import Image
 
+from datasvc.batch import TrainBatch
 from trainer.bench.peers_data import PeerSetting, build_hf_processor, hf_messages, shard_samples
 
 FRAME_HEADER = struct.Struct("<Q")
@@ -130,7 +132,7 @@ class KeyedPacks(torch.utils.data.Dataset):
 # ------------------------------------------------------------------------------------------------
 # AutoModel's collated batch as the rank's contract
 # ------------------------------------------------------------------------------------------------
-def contract_collate(packs: list[dict], *, pad_id: int, seq_len: int) -> dict:
+def contract_collate(packs: list[dict], *, pad_id: int, seq_len: int) -> TrainBatch:
     from nemo_automodel.components.datasets.vlm.collate_fns import packed_sequence_thd_vlm_collater
 
     keys = [k for pack in packs for k in pack.pop("sample_keys")]
@@ -138,7 +140,7 @@ def contract_collate(packs: list[dict], *, pad_id: int, seq_len: int) -> dict:
     return rank_contract(batch, keys)
 
 
-def rank_contract(batch: dict, keys: list[str]) -> dict:
+def rank_contract(batch: dict, keys: list[str]) -> TrainBatch:
     """tokens/labels [B,S] (AutoModel shifted each sample's labels before packing), loss_mask where a
     label is, cu_seqlens [B,K+1] from the real ``seq_lens`` (the collater pads ragged rows with a
     negative sentinel), the unused tail repeating the row's end."""
@@ -149,10 +151,10 @@ def rank_contract(batch: dict, keys: list[str]) -> dict:
         cu[i, 1:len(row) + 1] = ends
         cu[i, len(row) + 1:] = ends[-1]
     labels = batch["labels"]
-    return {"tokens": batch["input_ids"], "labels": labels, "loss_mask": (labels != LABEL_IGNORED).float(),
-            "cu_seqlens": cu, "num_samples": torch.tensor([len(row) for row in lengths], dtype=torch.int32),
-            # bfloat16, as AutoModel's collater hands them to its model
-            "pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"], "sample_keys": keys}
+    return TrainBatch(tokens=batch["input_ids"], labels=labels, loss_mask=(labels != LABEL_IGNORED).float(),
+                      cu_seqlens=cu, num_samples=torch.tensor([len(row) for row in lengths], dtype=torch.int32),
+                      # bfloat16, as AutoModel's collater hands them to its model
+                      pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"], sample_keys=keys)
 
 
 # AutoModel's headroom for its length estimate (its docs suggest 0.9): the estimate leaves out the
@@ -242,7 +244,7 @@ def main(argv=None) -> None:
         for epoch in itertools.count() if args.epochs is None else range(args.epochs):
             loader.sampler.set_epoch(epoch)
             for batch in loader:
-                write_frame(out, batch)
+                write_frame(out, batch.as_dict())
     except BrokenPipeError:
         pass  # the reader closed: the run is over
     finally:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from datasvc.batch import IGNORE_INDEX
+from datasvc.batch import IGNORE_INDEX, TrainBatch
 from datasvc.usage import HelpFormatter
 from pipelines.qwen3vl import TOKENS, VIDEO_PAD
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
@@ -68,7 +68,7 @@ def synthetic_sample(rng: torch.Generator, grids: list[tuple[int, int, int]], n_
     return tokens, labels, grids, list(videos)
 
 
-def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Generator) -> dict:
+def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Generator) -> TrainBatch:
     """Pack samples into rows of seq_len the way the data service does (see datasvc.batch)."""
     B, K = len(rows), max(1, max(len(r) for r in rows))
     tokens = torch.full((B, seq_len), TOKENS.pad, dtype=torch.long)
@@ -86,18 +86,18 @@ def rows_to_batch(rows: list[list[tuple]], seq_len: int, device, rng: torch.Gene
             video_grids += vids[0] if vids else []
         cu[r, len(samples) + 1:] = at
     n_patches = sum(t * h * w for t, h, w in grids)
-    batch = {
-        "tokens": tokens, "labels": labels, "loss_mask": (labels != IGNORE_INDEX).float(), "cu_seqlens": cu,
-        "num_samples": torch.tensor([len(r) for r in rows], dtype=torch.int32),
-        "pixel_values": torch.randn(n_patches, 1536, generator=rng),
-        "image_grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
-    }
+    # Drawn before the videos' values, so a seed gives the proof the same inputs as in earlier runs.
+    pixel_values = torch.randn(n_patches, 1536, generator=rng)
+    videos = {}
     if video_grids:
-        batch["pixel_values_videos"] = torch.randn(sum(t * h * w for t, h, w in video_grids), 1536, generator=rng)
-        batch["video_grid_thw"] = torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["sample_keys"] = [f"synthetic/{r}/{j}" for r, s in enumerate(rows) for j in range(len(s))]
-    return batch
+        videos = {"pixel_values_videos": torch.randn(sum(t * h * w for t, h, w in video_grids), 1536, generator=rng),
+                  "video_grid_thw": torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)}
+    batch = TrainBatch(
+        tokens=tokens, labels=labels, loss_mask=(labels != IGNORE_INDEX).float(), cu_seqlens=cu,
+        num_samples=torch.tensor([len(r) for r in rows], dtype=torch.int32), pixel_values=pixel_values,
+        image_grid_thw=torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
+        sample_keys=[f"synthetic/{r}/{j}" for r, s in enumerate(rows) for j in range(len(s))], **videos)
+    return batch.to(device)
 
 
 class SyntheticRows:
@@ -111,7 +111,7 @@ class SyntheticRows:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> TrainBatch:
         rng = torch.Generator().manual_seed(self.seed * 100003 + self.step)
         self.step += 1
         rows = []
@@ -182,15 +182,17 @@ def _rope(tokens, grid, videos):
     return pos
 
 
-def _vision_inputs(batch: dict, grid_at: tuple[int, int], video_at: tuple[int, int], sample: tuple) -> dict:
+def _vision_inputs(batch: TrainBatch, grid_at: tuple[int, int], video_at: tuple[int, int], sample: tuple) -> dict:
     """One sample's slice of the batch's images and videos, as model keyword arguments."""
     _, _, grids, videos = sample
     out = {"pixel_values": None, "image_grid_thw": None, "pixel_values_videos": None, "video_grid_thw": None}
-    for (g_at, p_at), n, grid_key, pix_key in ((grid_at, len(grids), "image_grid_thw", "pixel_values"),
-                                               (video_at, len(videos), "video_grid_thw", "pixel_values_videos")):
+    for (g_at, p_at), n, (grid_key, all_grids), (pix_key, all_pixels) in (
+            (grid_at, len(grids), ("image_grid_thw", batch.image_grid_thw), ("pixel_values", batch.pixel_values)),
+            (video_at, len(videos), ("video_grid_thw", batch.video_grid_thw),
+             ("pixel_values_videos", batch.pixel_values_videos))):
         if n:
-            grid = batch[grid_key][g_at:g_at + n]
-            out[grid_key], out[pix_key] = grid, batch[pix_key][p_at:p_at + int(grid.prod(-1).sum())]
+            grid = all_grids[g_at:g_at + n]
+            out[grid_key], out[pix_key] = grid, all_pixels[p_at:p_at + int(grid.prod(-1).sum())]
     return out
 
 
@@ -204,13 +206,13 @@ def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 
     rng = torch.Generator().manual_seed(7)
     samples = proof_samples(rng, with_video)
     batch = rows_to_batch([samples], seq_len, device, rng)
-    videos = batch.get("video_grid_thw")
-    vision = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
-              "pixel_values_videos": batch.get("pixel_values_videos"), "video_grid_thw": videos}
+    videos = batch.video_grid_thw
+    vision = {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw,
+              "pixel_values_videos": batch.pixel_values_videos, "video_grid_thw": videos}
 
     # Packed: one row, THD segments, MRoPE restarted per sample.
-    p = pack_thd(batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["num_samples"])
-    pos = mrope_position_ids(p, provider, batch["image_grid_thw"], videos)
+    p = pack_thd(batch.tokens, batch.labels, batch.loss_mask, batch.cu_seqlens, batch.num_samples)
+    pos = mrope_position_ids(p, provider, batch.image_grid_thw, videos)
     out = model(input_ids=p.tokens, position_ids=pos, attention_mask=None, labels=p.labels,
                 loss_mask=p.loss_mask, packed_seq_params=p.params, **vision)
     packed = per_sample_losses(out, p.loss_mask, p.sample_spans)
@@ -230,7 +232,7 @@ def packed_vs_alone(num_layers: int = 4, num_experts: int = 128, seq_len: int = 
         alone += per_sample_losses(o, mask, [(0, tk.shape[1])])
 
     # Control: the packed row as one sequence (attention crosses samples, positions run on).
-    o = model(input_ids=p.tokens, position_ids=_rope(p.tokens, batch["image_grid_thw"], videos), attention_mask=None,
+    o = model(input_ids=p.tokens, position_ids=_rope(p.tokens, batch.image_grid_thw, videos), attention_mask=None,
               labels=p.labels, loss_mask=p.loss_mask, **vision)
     crossing = per_sample_losses(o, p.loss_mask, p.sample_spans)
     return _judge(packed, alone, crossing, atol, rtol) | {

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 
+from datasvc.batch import TrainBatch
 from trainer.bench.peers_data import PeerSetting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,8 +82,8 @@ class AutoModelPackedPath:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
-        return self._read()
+    def __next__(self) -> TrainBatch:
+        return TrainBatch(**self._read())
 
     def close(self) -> None:
         if self.process.poll() is None:

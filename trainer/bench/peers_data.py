@@ -3,10 +3,10 @@ and a JSON list of conversations for Megatron-Bridge's dataset; WebDataset tars 
 Data), the Hugging Face Qwen3-VL processor built offline, and the rank's batch contract that every
 peer adapter yields and ``check_contract`` verifies.
 
-The contract (``trainer/megatron/step.py``): tokens/labels int64 [B,S] (labels shifted, -100
-ignored), loss_mask float32 [B,S], cu_seqlens int32 [B,K+1] and num_samples [B] (one sample a row
-for the padded peers), pixel_values float [sum(t*h*w), patch dim], image_grid_thw int64 [n,3], and
-each image's ``<|image_pad|>`` run exactly t*h*w / merge**2 tokens long.
+The contract is ``datasvc.batch.TrainBatch``, as ``trainer/megatron/step.py`` takes it: tokens/labels
+int64 [B,S] (labels shifted, -100 ignored), loss_mask float32 [B,S], cu_seqlens int32 [B,K+1] and
+num_samples [B] (one sample a row for the padded peers), pixel_values float [sum(t*h*w), patch dim],
+image_grid_thw int64 [n,3], and each image's ``<|image_pad|>`` run exactly t*h*w / merge**2 tokens long.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from datasvc.batch import IGNORE_INDEX
+from datasvc.batch import IGNORE_INDEX, TrainBatch
 
 # Qwen3-VL-Instruct's chat template (its chat_template.json; no installed package ships it) for the
 # shapes our shards hold: no default system turn; per message "<|im_start|>role\n", the content (a
@@ -157,10 +157,11 @@ def build_hf_processor(setting: PeerSetting):
 # ------------------------------------------------------------------------------------------------
 # The rank's contract
 # ------------------------------------------------------------------------------------------------
-def padded_batch(rows: list[dict], seq_len: int, pad_id: int, keys: list[str] | None = None) -> dict:
+def padded_batch(rows: list[dict], seq_len: int, pad_id: int, *, pixel_values: torch.Tensor,
+                 image_grid_thw: torch.Tensor, keys: list[str] | None = None) -> TrainBatch:
     """Rows of one sample each ({input_ids, labels, loss_mask} 1-D, labels already shifted) padded
     to the longest row (capped at seq_len, a multiple of 128 as Bridge's collate pads) into the
-    rank's contract; images follow rows in order."""
+    rank's contract; the images (``pixel_values``, ``image_grid_thw``) follow rows in order."""
     longest = min(seq_len, max(len(r["input_ids"]) for r in rows))
     width = min(seq_len, -(-longest // 128) * 128)
     b = len(rows)
@@ -175,23 +176,24 @@ def padded_batch(rows: list[dict], seq_len: int, pad_id: int, keys: list[str] | 
         loss_mask[i, :n] = torch.as_tensor(r["loss_mask"][:n], dtype=torch.float32)
         lengths.append(n)
     cu = torch.tensor([[0, n] for n in lengths], dtype=torch.int32)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "cu_seqlens": cu,
-            "num_samples": torch.ones(b, dtype=torch.int32), "sample_keys": keys or [""] * b}
+    return TrainBatch(tokens=tokens, labels=labels, loss_mask=loss_mask, cu_seqlens=cu,
+                      num_samples=torch.ones(b, dtype=torch.int32), pixel_values=pixel_values,
+                      image_grid_thw=image_grid_thw, sample_keys=keys or [""] * b)
 
 
-def check_contract(batch: dict, image_pad_id: int, merge_size: int, patch_dim: int, seq_len: int) -> dict:
+def check_contract(batch: TrainBatch, image_pad_id: int, merge_size: int, patch_dim: int, seq_len: int) -> dict:
     """Fields, shapes and dtypes of one micro-batch; each row's image pad runs against its grids.
     Raises AssertionError naming what is wrong; returns a few counts."""
-    tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
+    tokens, labels, loss_mask = batch.tokens, batch.labels, batch.loss_mask
     assert tokens.dtype == torch.int64 and labels.dtype == torch.int64, (tokens.dtype, labels.dtype)
     assert loss_mask.dtype == torch.float32, loss_mask.dtype
     assert tokens.dim() == 2 and tokens.shape == labels.shape == loss_mask.shape, (tokens.shape, labels.shape)
     assert tokens.shape[1] <= seq_len, f"row of {tokens.shape[1]} tokens over seq_len {seq_len}"
-    grid, pv = batch["image_grid_thw"], batch["pixel_values"]
+    grid, pv = batch.image_grid_thw, batch.pixel_values
     assert grid.dtype == torch.int64 and grid.dim() == 2 and grid.shape[1] == 3, (grid.dtype, grid.shape)
     assert pv.is_floating_point() and pv.dim() == 2 and pv.shape[1] == patch_dim, (pv.dtype, pv.shape)
     assert pv.shape[0] == int(grid.prod(dim=1).sum()), (pv.shape, grid.tolist())
-    assert batch["cu_seqlens"].shape[0] == tokens.shape[0] and batch["num_samples"].shape[0] == tokens.shape[0]
+    assert batch.cu_seqlens.shape[0] == tokens.shape[0] and batch.num_samples.shape[0] == tokens.shape[0]
     # Supervised positions carry a label; unsupervised ones none.
     assert bool(((labels != IGNORE_INDEX) == (loss_mask > 0)).all()), "loss_mask and labels disagree"
     pads = (tokens == image_pad_id).sum().item()
@@ -201,13 +203,8 @@ def check_contract(batch: dict, image_pad_id: int, merge_size: int, patch_dim: i
             "real_token_fraction": real_token_fraction(batch), "supervised": int(loss_mask.sum())}
 
 
-def real_token_fraction(batch: dict) -> float:
+def real_token_fraction(batch: TrainBatch) -> float:
     """Tokens in samples over the slots of the micro-batch (from the sample boundaries)."""
-    cu = batch["cu_seqlens"]
+    cu = batch.cu_seqlens
     real = int((cu[:, -1] - cu[:, 0]).sum())
-    return real / batch["tokens"].numel()
-
-
-def gpu_ready(batch: dict, device) -> dict:
-    """The batch on the rank's device (tensors only)."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return real / batch.tokens.numel()

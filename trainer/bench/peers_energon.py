@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-from datasvc.batch import IGNORE_INDEX
+from datasvc.batch import IGNORE_INDEX, TrainBatch
 from datasvc.members import IMAGE_EXTS  # every image extension the service reads
 from trainer.bench.peers_data import PeerSetting
 
@@ -108,11 +108,11 @@ def _task_encoder_class():
             return pack_samples(samples)
 
         @stateless
-        def batch(self, rows: list[EncodedSample]) -> dict:
+        def batch(self, rows: list[EncodedSample]) -> TrainBatch:
             return contract_batch(rows, self.seq_len, self.pad_id)
 
         @stateless
-        def encode_batch(self, batch: dict) -> dict:
+        def encode_batch(self, batch: TrainBatch) -> TrainBatch:
             return batch
 
     return PackingQwen3VLEncoder
@@ -145,7 +145,7 @@ def pack_samples(samples: list[EncodedSample]) -> EncodedSample:
     return packed
 
 
-def contract_batch(rows: list[EncodedSample], seq_len: int, pad_id: int) -> dict:
+def contract_batch(rows: list[EncodedSample], seq_len: int, pad_id: int) -> TrainBatch:
     """Packed rows padded to ``seq_len`` into the rank's contract (``cu_seqlens`` [B, K+1], the unused
     tail repeating the row's end)."""
     b = len(rows)
@@ -163,11 +163,11 @@ def contract_batch(rows: list[EncodedSample], seq_len: int, pad_id: int) -> dict
         ends = np.cumsum(lengths[i])
         cu[i, 1:len(ends) + 1] = torch.from_numpy(ends.astype(np.int32))
         cu[i, len(ends) + 1:] = int(ends[-1])
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "cu_seqlens": cu,
-            "num_samples": torch.tensor([len(x) for x in lengths], dtype=torch.int32),
-            "pixel_values": torch.from_numpy(np.concatenate([r.pixel_values for r in rows])),
-            "image_grid_thw": torch.from_numpy(np.concatenate([r.image_grid_thw for r in rows])),
-            "sample_keys": [k for r in rows for k in r.__key__.split(",")]}
+    return TrainBatch(tokens=tokens, labels=labels, loss_mask=loss_mask, cu_seqlens=cu,
+                      num_samples=torch.tensor([len(x) for x in lengths], dtype=torch.int32),
+                      pixel_values=torch.from_numpy(np.concatenate([r.pixel_values for r in rows])),
+                      image_grid_thw=torch.from_numpy(np.concatenate([r.image_grid_thw for r in rows])),
+                      sample_keys=[k for r in rows for k in r.__key__.split(",")])
 
 
 class EnergonPackedPath:
@@ -197,7 +197,7 @@ class EnergonPackedPath:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> TrainBatch:
         if self._it is None:
             self._it = iter(self.loader)
         return next(self._it)

@@ -15,6 +15,7 @@ import os
 import numpy as np
 from PIL import Image
 
+from datasvc.batch import TrainBatch
 from datasvc.members import IMAGE_EXTS  # every image extension the service reads
 from trainer.bench.peers_data import PeerSetting, build_hf_processor, hf_messages, padded_batch
 
@@ -134,7 +135,7 @@ class RayDataPath:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> TrainBatch:
         return next(self._gen)
 
     def _batches(self):
@@ -145,16 +146,16 @@ class RayDataPath:
                 yield self._contract(b)
             epoch += 1
 
-    def _contract(self, b: dict) -> dict:
+    def _contract(self, b: dict) -> TrainBatch:
         import torch
 
         self.worker_pids.update(int(p) for p in b["worker_pid"])
         rows = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i], "loss_mask": b["loss_mask"][i]}
                 for i in range(len(b["input_ids"]))]
-        out = padded_batch(rows, self.setting.seq_len, self.pad_id, [str(k) for k in b["key"]])
-        out["pixel_values"] = torch.from_numpy(np.concatenate(list(b["pixel_values"]), axis=0))
-        out["image_grid_thw"] = torch.from_numpy(np.concatenate(list(b["image_grid_thw"]), axis=0))
-        return out
+        return padded_batch(rows, self.setting.seq_len, self.pad_id,
+                            pixel_values=torch.from_numpy(np.concatenate(list(b["pixel_values"]), axis=0)),
+                            image_grid_thw=torch.from_numpy(np.concatenate(list(b["image_grid_thw"]), axis=0)),
+                            keys=[str(k) for k in b["key"]])
 
     def close(self) -> None:
         self._gen.close()

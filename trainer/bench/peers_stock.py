@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from datasvc.batch import IGNORE_INDEX
+from datasvc.batch import IGNORE_INDEX, TrainBatch
 from trainer.bench.peers_data import PeerSetting, save_hf_processor, write_conversations
 
 
@@ -84,7 +84,7 @@ class StockPath:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> TrainBatch:
         if self._it is None:
             self._it = iter(self.loader)
         return to_contract(next(self._it))
@@ -93,7 +93,7 @@ class StockPath:
         self._it = None  # the DataLoader's workers exit with their iterator
 
 
-def to_contract(batch: dict) -> dict:
+def to_contract(batch: dict) -> TrainBatch:
     """A batch of Bridge's Qwen-VL collate (input_ids, labels, loss_mask, attention_mask,
     visual_inputs) as the rank's contract: one sample a row, its length from the attention mask."""
     tokens = batch["input_ids"].to(torch.int64)
@@ -109,7 +109,7 @@ def to_contract(batch: dict) -> dict:
     labels = batch["labels"].to(torch.int64)
     loss_mask = batch["loss_mask"].to(torch.float32)
     cu = torch.stack([torch.zeros_like(lengths), lengths], dim=1).to(torch.int32)
-    return {"tokens": tokens, "labels": torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX)),
-            "loss_mask": loss_mask, "cu_seqlens": cu, "num_samples": torch.ones(len(tokens), dtype=torch.int32),
-            "pixel_values": pv, "image_grid_thw": grid.to(torch.int64),
-            "sample_keys": [""] * len(tokens)}
+    return TrainBatch(tokens=tokens,
+                      labels=torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX)),
+                      loss_mask=loss_mask, cu_seqlens=cu, num_samples=torch.ones(len(tokens), dtype=torch.int32),
+                      pixel_values=pv, image_grid_thw=grid.to(torch.int64), sample_keys=[""] * len(tokens))

@@ -18,11 +18,11 @@ job before Megatron is loaded):
   6. ``metrics``: ``TimedIterator`` (how long the trainer blocks on data) and the per-step records.
   7. ``loop``: ``train``, the entry a ``trainer.run`` rank calls.
 
-Batch contract (``datasvc.service.client.DataClient``, one dict per ``__next__``): tokens/labels [B,S] int64
-(labels already shifted, -100 ignored), loss_mask [B,S] float32, cu_seqlens [B,K+1] int32 (sample j
-of row r spans cu_seqlens[r,j]:cu_seqlens[r,j+1]; unused tail entries repeat the row's end),
-num_samples [B], pixel_values [N, patch dim], image_grid_thw [n_images,3] (images in row-major token
-order), sample_keys.
+Batch contract (``datasvc.batch.TrainBatch``, one per ``DataClient.__next__``): tokens/labels [B,S]
+int64 (labels already shifted, -100 ignored), loss_mask [B,S] float32, cu_seqlens [B,K+1] int32
+(sample j of row r spans cu_seqlens[r,j]:cu_seqlens[r,j+1]; unused tail entries repeat the row's
+end), num_samples [B], pixel_values [N, patch dim], image_grid_thw [n_images,3] (images in row-major
+token order), pixel_values_videos and video_grid_thw (None without videos), sample_keys, sample_epochs.
 
 Why THD: several samples share one row, so attention must not cross sample boundaries and MRoPE must
 restart at every sample. The model (``Qwen3VLModel``) accepts a flat ``[1, T]`` stream with THD

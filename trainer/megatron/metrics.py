@@ -13,7 +13,7 @@ import torch
 from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.bridge.training.state import GlobalState
 
-from datasvc.batch import sample_tokens_sq, vision_patches, vision_patches_sq
+from datasvc.batch import TrainBatch
 from trainer.megatron.thd import real_tokens_per_row
 from trainer.rank_spread import gather_rank_spread
 
@@ -26,7 +26,7 @@ class TimedIterator:
     """Wraps the per-rank data iterator: counts time blocked in ``__next__`` and the real/slot tokens
     of each micro-batch. ``StepMetrics`` drains the counters once per optimizer step."""
 
-    def __init__(self, inner: Iterator[dict], adapt: Callable[[dict], Any] | None = None):
+    def __init__(self, inner: Iterator[TrainBatch], adapt: Callable[[TrainBatch], Any] | None = None):
         self.inner = inner
         self.adapt = adapt
         self.reset()
@@ -48,14 +48,14 @@ class TimedIterator:
         t0 = time.perf_counter()
         batch = next(self.inner)
         self.wait_s += time.perf_counter() - t0
-        tokens = batch["tokens"]
+        tokens = batch.tokens
         self.slot_tokens += tokens.numel()
-        self.real_tokens += int(real_tokens_per_row(batch["cu_seqlens"], batch["num_samples"]).sum())
-        self.vision_patches += vision_patches(batch)
-        self.vision_patches_sq += vision_patches_sq(batch)
-        self.sample_tokens_sq += sample_tokens_sq(batch)
+        self.real_tokens += int(real_tokens_per_row(batch.cu_seqlens, batch.num_samples).sum())
+        self.vision_patches += batch.vision_patches
+        self.vision_patches_sq += batch.vision_patches_sq
+        self.sample_tokens_sq += batch.sample_tokens_sq
         self.micro_batches += 1
-        self.samples += [[k, e] for k, e in zip(batch.get("sample_keys", []), batch.get("sample_epochs", []))]
+        self.samples += [[k, e] for k, e in zip(batch.sample_keys, batch.sample_epochs)]
         return self.adapt(batch) if self.adapt else batch
 
     # Bridge saves these with each checkpoint (one file per DP rank) and restores them on resume.

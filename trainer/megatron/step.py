@@ -10,7 +10,7 @@ from megatron.bridge.training.utils.pg_utils import get_pg_collection
 from megatron.bridge.training.utils.visual_inputs import GenericVisualInputs
 from megatron.core.utils import get_model_config
 
-from datasvc.batch import IGNORE_INDEX
+from datasvc.batch import IGNORE_INDEX, TrainBatch
 from trainer.megatron.thd import PAD_ID, mrope_position_ids, pack_thd
 
 
@@ -44,13 +44,13 @@ class PackedForwardStep:
         config = get_model_config(model)
         cp, tp = pg.cp.size(), pg.tp.size()
         packed = pack_thd(
-            batch["tokens"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["num_samples"],
+            batch.tokens, batch.labels, batch.loss_mask, batch.cu_seqlens, batch.num_samples,
             segment_multiple=2 * cp if cp > 1 else 1,
             total_multiple=tp * cp if config.sequence_parallel or cp > 1 else 1,
         )
-        grid = batch.get("image_grid_thw")
+        grid = batch.image_grid_thw
         has_images = grid is not None and grid.numel() > 0
-        videos = batch.get("video_grid_thw")
+        videos = batch.video_grid_thw
         has_videos = videos is not None and videos.numel() > 0
         position_ids = mrope_position_ids(packed, config, grid if has_images else None, videos if has_videos else None)
 
@@ -69,9 +69,9 @@ class PackedForwardStep:
             labels=packed.labels,
             loss_mask=packed.loss_mask,
             packed_seq_params=packed.params,
-            pixel_values=batch["pixel_values"] if has_images else None,
+            pixel_values=batch.pixel_values if has_images else None,
             image_grid_thw=grid if has_images else None,
-            pixel_values_videos=batch["pixel_values_videos"] if has_videos else None,
+            pixel_values_videos=batch.pixel_values_videos if has_videos else None,
             video_grid_thw=videos if has_videos else None,
         )
         rsm = state.cfg.rerun_state_machine
@@ -89,27 +89,27 @@ class _LossFn:
         return _masked_loss(self.loss_mask, output_tensor, self.check_nan, self.check_spiky)
 
 
-def to_stock_batch(batch: dict) -> dict:
+def to_stock_batch(batch: TrainBatch) -> dict:
     """Our batch in the form Megatron-Bridge's stock ``qwen3_vl_step`` expects (padded rows, one
     sample per row, ``visual_inputs``); it refuses collate-time packing, so packed rows are an error."""
-    if int(batch["num_samples"].max()) > 1:
+    if int(batch.num_samples.max()) > 1:
         raise ValueError("--padded runs the stock qwen3_vl_step, which needs one sample per row; configure "
                          "the data service without packing for this mode")
-    labels = batch["labels"]
+    labels = batch.labels
     supervised = labels != IGNORE_INDEX
-    grid = batch.get("image_grid_thw")
+    grid = batch.image_grid_thw
     has_images = grid is not None and grid.numel() > 0
-    videos = batch.get("video_grid_thw")
+    videos = batch.video_grid_thw
     has_videos = videos is not None and videos.numel() > 0
     return {
-        "tokens": batch["tokens"],
+        "tokens": batch.tokens,
         "labels": torch.where(supervised, labels, torch.full_like(labels, PAD_ID)),
-        "loss_mask": batch["loss_mask"].float() * supervised,
+        "loss_mask": batch.loss_mask.float() * supervised,
         "position_ids": None,  # the model computes MRoPE from input_ids and grids
         "attention_mask": None,
         "visual_inputs": GenericVisualInputs(
-            pixel_values=batch["pixel_values"] if has_images else None, image_grid_thw=grid if has_images else None,
-            pixel_values_videos=batch.get("pixel_values_videos") if has_videos else None,
+            pixel_values=batch.pixel_values if has_images else None, image_grid_thw=grid if has_images else None,
+            pixel_values_videos=batch.pixel_values_videos if has_videos else None,
             video_grid_thw=videos if has_videos else None)
         if has_images or has_videos else None,
     }
