@@ -127,7 +127,8 @@ def init_loopback_distributed(container: ConfigContainer) -> None:
         return
     device = 0 if container.dist.external_gpu_device_mapping else int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(device)
-    if getattr(container.model, "cuda_graph_impl", None) == "transformer_engine":
+    if "transformer_engine" in (getattr(container.model, "cuda_graph_impl", None),
+                                getattr(container.model, "vision_cuda_graph_impl", None)):
         torch.cuda.set_stream(torch.cuda.Stream())  # as Bridge does: cudagraph capture needs a non-default stream
     init_distributed(container.dist.distributed_backend,
                      timeout=datetime.timedelta(minutes=container.dist.distributed_timeout_minutes))
