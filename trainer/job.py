@@ -161,7 +161,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.pipeline not in available():
         raise SystemExit(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available())}")
     if args.model_preset:
-        from trainer.config import ModelConfig, check_model_names
+        from trainer.config import ModelConfig
+        from trainer.config_checks import check_model_names
 
         if problems := check_model_names(ModelConfig(pipeline=args.pipeline, preset=args.model_preset)):
             raise SystemExit("; ".join(problems))
@@ -244,7 +245,7 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
         if unused := sorted(args._given & MEGATRON_ONLY_FLAGS):
             raise SystemExit(f"{' '.join(unused)}: Megatron-Bridge knobs, which the CPU development path (a tiny model "
                              "on gloo, no GPU here) does not use; drop them, or train on GPUs")
-        from trainer.config import check_long_run
+        from trainer.checkpoint import check_long_run
 
         if problems := check_long_run(cfg):
             raise SystemExit("; ".join(problems))
