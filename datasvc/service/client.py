@@ -1,14 +1,13 @@
 """The per-rank end of the data service: an iterator of micro-batches for one trainer rank, and
 ``DataService``, which starts the feeders in the driver and hands out these clients.
 
-A background thread keeps ``prefetch`` micro-batches in flight: it fetches refs from the rank's
-feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
+A background thread (``datasvc.stream.prefetch``) keeps ``prefetch`` micro-batches in flight: it
+fetches refs from the rank's feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
 tensors (pinned and moved to the GPU when there is one) and expands uint8 pixel rows to float
 ``pixel_values`` in patch order (``datasvc.stream.tensors``). ``save_state``/``restore_state`` give exact resume.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ from datasvc.service.cluster import head_address, unreachable_head
 from datasvc.service.feeder import DataServiceError, End, EndOfData, FeederStats, feeder_name, start_feeder
 from datasvc.service.locality import release_budgets, this_node
 from datasvc.stream.loaderstate import LoaderState
+from datasvc.stream.prefetch import Prefetcher
 from datasvc.stream.rankstats import StreamTotals
 from datasvc.stream.tensors import batch_tensors
 
@@ -53,9 +53,8 @@ class DataClient:
         self._next_step = 0
         self._last_pos: dict | None = None
         self._fetched_pos: dict | None = None
-        self._ahead: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._halt = threading.Event()
+        self._ahead: Prefetcher | None = None
+        self._halt = threading.Event()  # closed: nothing fetched, no feeder restarted
         self._owned_feeder = None
         self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
         self._head = head_address()  # noted now: once the head is lost Ray may no longer say it
@@ -71,18 +70,21 @@ class DataClient:
         return self
 
     def __next__(self):
-        if self._thread is None:
+        if self._ahead is None:
             if self._halt.is_set():
                 raise DataServiceError(f"the client of dp_rank {self.dp_rank} was closed or its service shut down; "
                                        "make a new client, or call restore_state to resume")
-            self._start()
+            self._node = this_node()  # told to the feeder, which counts the bytes that cross nodes
+            self._ahead = Prefetcher(self._fetch_next, self._next_step, self.cfg.prefetch, f"client-{self.dp_rank}",
+                                     name_error=self._named_cause)
         t0 = time.perf_counter()
-        item = self._ahead.get()
-        self.wait_s += time.perf_counter() - t0
-        if isinstance(item, BaseException):
-            self._thread = None
-            raise item
-        batch, pos, marks = item
+        try:
+            batch, pos, marks = self._ahead.get()
+        except BaseException:
+            self._ahead = None  # its thread ended with the error
+            raise
+        finally:
+            self.wait_s += time.perf_counter() - t0
         self._last_pos = pos
         self.trained.add(*marks)
         self.delivered += 1
@@ -96,14 +98,16 @@ class DataClient:
     def halt(self) -> None:
         """Stop fetching, at once and for good: a feeder that dies after this is not restarted."""
         self._halt.set()
+        if self._ahead is not None:
+            self._ahead.halt()
 
     def close(self) -> None:
         """Halt, wait for the fetch thread, and end the feeder this client started (on restore or
         recovery), which would otherwise live, holding its actors' CPUs, as long as this object."""
         self.halt()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._thread = None
+        if self._ahead is not None:
+            self._ahead.halt(join_s=5)
+        self._ahead = None
         if self._owned_feeder is not None:
             ray.kill(self._owned_feeder)
             self._owned_feeder = None
@@ -119,7 +123,7 @@ class DataClient:
         state = state if isinstance(state, LoaderState) else LoaderState.from_dict(state)
         if state.dp_rank not in (-1, self.dp_rank):
             raise DataServiceError(f"state belongs to dp_rank {state.dp_rank}, not {self.dp_rank}")
-        if (self._thread is None and not self._halt.is_set()
+        if (self._ahead is None and not self._halt.is_set()
                 and self._state_after(self._last_pos).as_dict() == state.as_dict()):
             return  # its feeder was started at this state (``start``) and nothing was fetched since
         self.close()
@@ -184,44 +188,27 @@ class DataClient:
         raise DataServiceError(f"feeder of dp_rank {self.dp_rank} was not restarted at {start}")
 
     # ---- background fetch ---------------------------------------------------------------------
-    def _start(self) -> None:
-        self._ahead = queue.Queue(maxsize=max(1, self.cfg.prefetch))
-        self._node = this_node()  # told to the feeder, which counts the bytes that cross nodes
-        self._thread = threading.Thread(target=self._fetch_loop, name=f"client-{self.dp_rank}", daemon=True)
-        self._thread.start()
-
     def _feeder(self):
         return ray.get_actor(feeder_name(self.run, self.dp_rank))
 
-    def _fetch_loop(self) -> None:
-        step = self._next_step
-        try:
-            while not self._halt.is_set():
-                reply = self._fetch(step)
-                if isinstance(reply[0], End):
-                    end = reply[0]
-                    if end.error:
-                        raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {end.error}")
-                    raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
-                                    f"{end.steps} micro-batches; raise epochs or lower train_iters")
-                packed, pos = reply
-                marks = (packed.sample_epochs, packed.sample_ordinals)
-                t0 = time.perf_counter()
-                batch = self._materialize(packed)
-                self.transfer_s += time.perf_counter() - t0
-                del packed
-                self._fetched_pos = pos
-                step += 1
-                self._next_step = step
-                while not self._halt.is_set():
-                    try:
-                        self._ahead.put((batch, pos, marks), timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as exc:
-            if not self._halt.is_set():  # a halted client has no reader left to take it
-                self._ahead.put(self._named_cause(exc))
+    def _fetch_next(self, step: int) -> tuple:
+        """Micro-batch ``step`` as the trainer takes it, with its position and its samples' marks
+        (run on the prefetch thread)."""
+        reply = self._fetch(step)
+        if isinstance(reply[0], End):
+            end = reply[0]
+            if end.error:
+                raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {end.error}")
+            raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
+                            f"{end.steps} micro-batches; raise epochs or lower train_iters")
+        packed, pos = reply
+        marks = (packed.sample_epochs, packed.sample_ordinals)
+        t0 = time.perf_counter()
+        batch = self._materialize(packed)
+        self.transfer_s += time.perf_counter() - t0
+        self._fetched_pos = pos
+        self._next_step = step + 1
+        return batch, pos, marks
 
     def _named_cause(self, exc: BaseException) -> BaseException:
         """``exc``, or when the Ray head is gone, an error that says so and how to go on."""
