@@ -65,9 +65,9 @@ def images_filling(patches: int) -> list[tuple[int, int, int]]:
 
 
 def set_fixed_length(tower, length: int | None) -> None:
-    """Turn the tower's fixed-length path on (at ``length`` patches) or off. The flag is read per call
-    (``Qwen3VLVisionModel._uses_vision_cuda_graph``), so one tower serves both paths."""
-    tower.config.cuda_graph_impl = "transformer_engine" if length else "none"
+    """Turn the tower's fixed-length path on (at ``length`` patches) or off. The tower asks per call
+    (``Qwen3VLVisionModel._uses_vision_cuda_graph``); its layers, built without graphs, run eagerly."""
+    tower._uses_vision_cuda_graph = lambda: bool(length)
     tower.config.max_vision_cuda_graph_seq_length = length
 
 

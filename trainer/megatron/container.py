@@ -169,7 +169,8 @@ def build_config_container(cfg: TrainerConfig, world_size: int, iterator: TimedI
                                     save_interval=ck.save_interval or (t.train_iters if ck.save else None),
                                     also_save_hf_checkpoint=ck.export_hf_on_save, hf_source_path=cfg.model.hf_path,
                                     ckpt_format="fsdp_dtensor" if fsdp else "torch_dist"),
-        rng=RNGConfig(seed=t.seed),
+        # Graph capture needs graph-safe RNG states; Bridge makes them only for the decoder's own graphs.
+        rng=RNGConfig(seed=t.seed, te_rng_tracker=cfg.cuda_graph.static_shapes),
         dist=DistributedInitConfig(use_megatron_fsdp=fsdp),
         mixed_precision="bf16_mixed" if t.bf16 else None,
     )
