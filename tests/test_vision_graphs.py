@@ -80,3 +80,17 @@ def test_static_shapes_set_the_vision_graphs_and_the_per_frame_mask():
     from trainer.config import TrainerConfig
 
     assert getattr(build_provider(TrainerConfig()), "vision_cuda_graph_impl", "none") == "none"
+
+
+def test_vision_layers_are_captured_with_their_rotary_positions():
+    from types import SimpleNamespace
+
+    from trainer.megatron.vision_graphs import capture_with_positions
+
+    layer = SimpleNamespace(config=SimpleNamespace(hidden_size=1152, num_attention_heads=16),
+                            get_layer_static_inputs=lambda s, b: {"hidden_states": torch.ones(s, b, 1152),
+                                                                  "attention_mask": torch.zeros(1, 1, s, s, dtype=torch.bool)})
+    capture_with_positions(layer)
+    inputs = layer.get_layer_static_inputs(64, 1)
+    assert set(inputs) == {"hidden_states", "attention_mask", "rotary_pos_emb"}
+    assert inputs["rotary_pos_emb"].shape == (64, 1, 1, 72) and inputs["rotary_pos_emb"].dtype == torch.float32

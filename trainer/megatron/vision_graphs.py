@@ -8,6 +8,8 @@ which is not the model (the tower attends within each image, and within each tem
 video, as Hugging Face's does); and its layers are built without a mask type, so even that mask is
 ignored and the padding is attended to as well. ``attend_within_frames`` gives the layers an
 arbitrary mask and the mask that keeps the model: block-diagonal over the frames, padding apart.
+Megatron-Core's capture of those layers also leaves out their rotary positions; they are captured
+as an input here (``capture_with_positions``).
 """
 from __future__ import annotations
 
@@ -49,6 +51,25 @@ def attend_within_frames(vision_model) -> None:
     bridge_vision._vision_forward_packed_attention_setup = _setup_within_frames
     for layer in vision_model.decoder.layers:
         layer.self_attention.attn_mask_type = AttnMaskType.arbitrary
+        capture_with_positions(layer)
+
+
+def capture_with_positions(layer) -> None:
+    """Capture ``layer``'s graph with a rotary-position input. Megatron-Core captures vision layers
+    on hidden states and a mask alone, and a replay passes on only the inputs captured, so the
+    positions the tower computes per call would be dropped and the graphed tower would attend
+    without them."""
+    base = layer.get_layer_static_inputs
+    head_dim = layer.config.hidden_size // layer.config.num_attention_heads  # as Qwen3VLVisionModel sizes it
+
+    def static_inputs(seq_length: int, micro_batch_size: int) -> dict:
+        inputs = base(seq_length, micro_batch_size)
+        # [patches, 1, 1, head_dim] in float32, as Qwen3VLVisionModel.forward makes them
+        inputs["rotary_pos_emb"] = torch.zeros(seq_length, 1, 1, head_dim, dtype=torch.float32,
+                                               device=inputs["hidden_states"].device)
+        return inputs
+
+    layer.get_layer_static_inputs = static_inputs
 
 
 def within_frames_hook(models: list) -> list:
