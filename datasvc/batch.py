@@ -153,6 +153,10 @@ class TrainBatch:
     video_grid_thw: torch.Tensor | None = None  # int64 [n_videos, 3]; None without videos
 
     @property
+    def has_images(self) -> bool:
+        return self.image_grid_thw is not None and self.image_grid_thw.shape[0] > 0
+
+    @property
     def has_videos(self) -> bool:
         return self.video_grid_thw is not None and self.video_grid_thw.shape[0] > 0
 

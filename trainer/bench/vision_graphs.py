@@ -86,14 +86,16 @@ def within_frames(tower):
     from trainer.megatron.vision_graphs import attend_within_frames
 
     setup = bridge_vision._vision_forward_packed_attention_setup
-    kinds = [layer.self_attention.attn_mask_type for layer in tower.decoder.layers]
+    layers = list(tower.decoder.layers)
+    kinds = [layer.self_attention.attn_mask_type for layer in layers]
     attend_within_frames(tower)
     try:
         yield
     finally:
         bridge_vision._vision_forward_packed_attention_setup = setup
-        for layer, kind in zip(tower.decoder.layers, kinds):
+        for layer, kind in zip(layers, kinds):
             layer.self_attention.attn_mask_type = kind
+            del layer.get_layer_static_inputs  # the capture inputs attend_within_frames set on the instance
 
 
 @torch.no_grad()

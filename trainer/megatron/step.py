@@ -48,10 +48,8 @@ class PackedForwardStep:
             segment_multiple=2 * cp if cp > 1 else 1,
             total_multiple=tp * cp if config.sequence_parallel or cp > 1 else 1,
         )
-        grid = batch.image_grid_thw
-        has_images = grid is not None and grid.numel() > 0
-        videos = batch.video_grid_thw
-        has_videos = videos is not None and videos.numel() > 0
+        grid, videos = batch.image_grid_thw, batch.video_grid_thw
+        has_images, has_videos = batch.has_images, batch.has_videos
         position_ids = mrope_position_ids(packed, config, grid if has_images else None, videos if has_videos else None)
 
         # Megatron-Bridge FLOP accounting: Σ s_i² over real segments for attention, vision patches for the ViT.
@@ -97,10 +95,8 @@ def to_stock_batch(batch: TrainBatch) -> dict:
                          "the data service without packing for this mode")
     labels = batch.labels
     supervised = labels != IGNORE_INDEX
-    grid = batch.image_grid_thw
-    has_images = grid is not None and grid.numel() > 0
-    videos = batch.video_grid_thw
-    has_videos = videos is not None and videos.numel() > 0
+    grid, videos = batch.image_grid_thw, batch.video_grid_thw
+    has_images, has_videos = batch.has_images, batch.has_videos
     return {
         "tokens": batch.tokens,
         "labels": torch.where(supervised, labels, torch.full_like(labels, PAD_ID)),
