@@ -89,3 +89,19 @@ def test_a_loader_state_round_trips_its_checkpoint_form_and_reads_older_ones():
     older = LoaderState.from_dict({"epoch": 0, "block": 2, "batch": 0, "step": 8})  # saved before the other fields
     assert (older.fingerprint, older.dp_rank, older.dataset, older.remainder) == ("", -1, None, None)
     assert older.position == Position(0, 2, 0, 8)
+
+
+def test_the_state_after_a_micro_batch_resumes_at_the_next_one_and_keeps_recent_epochs():
+    from datasvc.pack.plan import Position
+    from datasvc.remainder import KEPT_EPOCHS
+    from datasvc.stream.loaderstate import LoaderState
+
+    trained = TrainedSamples()
+    trained.add(list(range(6)), [1] * 6)  # one sample trained in each of epochs 0-5
+    delivered = {"epoch": 5, "block": 3, "batch": 1, "step": 40, "carry": [[0, 9]]}
+    state = LoaderState.after(delivered, "fp", 2, trained, {"files": 1})
+    assert state.position == Position(5, 3, 2, 41, ((0, 9),))
+    assert state.trained.epochs() == list(range(5 - KEPT_EPOCHS, 6))
+    assert state.last_delivered == delivered  # what the client reports after a restore
+    fresh = LoaderState.after(None, "fp", 0, TrainedSamples())
+    assert fresh.position == Position(0, 0, 0, 0) and fresh.dataset is None

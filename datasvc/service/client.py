@@ -2,7 +2,8 @@
 ``DataService``, which starts the feeders in the driver and hands out these clients.
 
 A background thread (``datasvc.stream.prefetch``) keeps ``prefetch`` micro-batches in flight: it
-fetches refs from the rank's feeder, reads the (read-only, zero-copy) arrays from the object store, copies them into torch
+fetches refs from the rank's feeder (``datasvc.service.feeder_link``, which restarts a feeder that
+died), reads the (read-only, zero-copy) arrays from the object store, copies them into torch
 tensors (pinned and moved to the GPU when there is one) and expands uint8 pixel rows to float
 ``pixel_values`` in patch order (``datasvc.stream.tensors``). ``save_state``/``restore_state`` give exact resume.
 """
@@ -14,18 +15,16 @@ import weakref
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 
-from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
-from datasvc.pack.plan import Position
 from datasvc.read.shards import expand_shards
 from datasvc.registry import get_layout
 from datasvc.rejects import Accounting
-from datasvc.remainder import KEPT_EPOCHS, TrainedSamples
+from datasvc.remainder import TrainedSamples
 from datasvc.service.cluster import head_address, unreachable_head
 from datasvc.service.feeder import DataServiceError, End, EndOfData, FeederStats, feeder_name, start_feeder
-from datasvc.service.locality import release_budgets, this_node
+from datasvc.service.feeder_link import FeederLink, no_feeder
+from datasvc.service.locality import release_budgets
 from datasvc.stream.loaderstate import LoaderState
 from datasvc.stream.prefetch import Prefetcher
 from datasvc.stream.rankstats import StreamTotals
@@ -55,15 +54,16 @@ class DataClient:
         self._fetched_pos: dict | None = None
         self._ahead: Prefetcher | None = None
         self._halt = threading.Event()  # closed: nothing fetched, no feeder restarted
-        self._owned_feeder = None
+        self._link = FeederLink(cfg, run, dp_rank, consumer, self._halt)
         self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
         self._head = head_address()  # noted now: once the head is lost Ray may no longer say it
         self.trained = TrainedSamples()  # every sample of the micro-batches returned, by epoch
         self.wait_s = 0.0
-        self.transfer_s = 0.0
+        self._materialize_s = 0.0
         self.delivered = 0
         if start:
             self._take_up(start if isinstance(start, LoaderState) else LoaderState.from_dict(start))
+            self._link.reached = True  # the service started this rank's feeder there
 
     # ---- iterator ---------------------------------------------------------------------------
     def __iter__(self):
@@ -74,7 +74,6 @@ class DataClient:
             if self._halt.is_set():
                 raise DataServiceError(f"the client of dp_rank {self.dp_rank} was closed or its service shut down; "
                                        "make a new client, or call restore_state to resume")
-            self._node = this_node()  # told to the feeder, which counts the bytes that cross nodes
             self._ahead = Prefetcher(self._fetch_next, self._next_step, self.cfg.prefetch, f"client-{self.dp_rank}",
                                      name_error=self._named_cause)
         t0 = time.perf_counter()
@@ -95,6 +94,11 @@ class DataClient:
         """Position (epoch, block, batch, step) of the micro-batch last returned."""
         return self._last_pos
 
+    @property
+    def transfer_s(self) -> float:
+        """Seconds spent reading micro-batches from the object store and making them tensors."""
+        return self._link.transfer_s + self._materialize_s
+
     def halt(self) -> None:
         """Stop fetching, at once and for good: a feeder that dies after this is not restarted."""
         self._halt.set()
@@ -108,9 +112,7 @@ class DataClient:
         if self._ahead is not None:
             self._ahead.halt(join_s=5)
         self._ahead = None
-        if self._owned_feeder is not None:
-            ray.kill(self._owned_feeder)
-            self._owned_feeder = None
+        self._link.release()
 
     # ---- state ------------------------------------------------------------------------------
     def save_state(self) -> dict:
@@ -128,7 +130,7 @@ class DataClient:
             return  # its feeder was started at this state (``start``) and nothing was fetched since
         self.close()
         self._halt.clear()
-        self._reopen_feeder(state)
+        self._reopen(state)
         self._take_up(state)
 
     def _take_up(self, state: LoaderState) -> None:
@@ -139,73 +141,30 @@ class DataClient:
 
     def _state_after(self, pos: dict | None) -> LoaderState:
         """The state that resumes right after the micro-batch at ``pos`` (None: from the start)."""
-        pos = pos or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
-        if self._dataset is None:
-            try:  # asked once per feeder; a feeder that is gone leaves the state without it
-                self._dataset = ray.get(self._feeder().stats.remote(), timeout=60).dataset
-            except (RayActorError, ValueError, ray.exceptions.GetTimeoutError):
-                pass
-        after = Position(pos["epoch"], pos["block"], pos["batch"] + 1, pos["step"] + 1, tuple(pos.get("carry", ())))
-        # the stream's origin goes with it, so the next resume rebuilds the same plan
-        return LoaderState(self.cfg.fingerprint(), self.dp_rank, after, self.trained.since(pos["epoch"] - KEPT_EPOCHS),
-                           self._dataset, self.cfg.remainder or None)
+        if self._dataset is None:  # asked once per feeder; a feeder that is gone leaves the state without it
+            self._dataset = self._link.dataset()
+        return LoaderState.after(pos, self.cfg.fingerprint(), self.dp_rank, self.trained, self._dataset,
+                                 self.cfg.remainder or None)
 
-    def _reopen_feeder(self, state: LoaderState) -> None:
-        """Consumer 0 of a replica restarts the feeder at ``state``; the others wait for it."""
+    def _reopen(self, state: LoaderState) -> None:
         self._dataset = None  # the new feeder's plan (re-planned, with replan_on_dataset_change)
-        if self.consumer == 0:
-            self._restart_feeder(state)
-        else:
-            self._await_feeder(state.position)
-
-    def _restart_feeder(self, state: LoaderState) -> None:
-        try:
-            old = ray.get_actor(feeder_name(self.run, self.dp_rank))
-            ray.kill(old)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # the name frees once the actor is gone
-                try:
-                    ray.get_actor(feeder_name(self.run, self.dp_rank))
-                    time.sleep(0.1)
-                except ValueError:
-                    break
-        except ValueError:
-            pass
-        # Non-detached actors die with their last handle: this client owns the new feeder. It goes on
-        # this client's node (the old one's node may be the one that was lost).
-        self._owned_feeder = start_feeder(self.cfg, self.run, self.dp_rank, state, node=this_node())
-
-    def _await_feeder(self, start: Position) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                stats = ray.get(ray.get_actor(feeder_name(self.run, self.dp_rank)).stats.remote())
-                if stats.stream.start == start:
-                    return
-            except (ValueError, RayActorError):
-                pass
-            time.sleep(0.2)
-        raise DataServiceError(f"feeder of dp_rank {self.dp_rank} was not restarted at {start}")
+        self._link.reopen(state)
 
     # ---- background fetch ---------------------------------------------------------------------
-    def _feeder(self):
-        return ray.get_actor(feeder_name(self.run, self.dp_rank))
-
     def _fetch_next(self, step: int) -> tuple:
         """Micro-batch ``step`` as the trainer takes it, with its position and its samples' marks
         (run on the prefetch thread)."""
-        reply = self._fetch(step)
-        if isinstance(reply[0], End):
-            end = reply[0]
-            if end.error:
-                raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {end.error}")
+        reply = self._link.fetch(step, resume=lambda: self._state_after(self._fetched_pos))
+        if isinstance(reply, End):
+            if reply.error:
+                raise DataServiceError(f"data service, dp_rank {self.dp_rank}: {reply.error}")
             raise EndOfData(f"dp_rank {self.dp_rank}: epochs={self.cfg.epochs} exhausted after "
-                            f"{end.steps} micro-batches; raise epochs or lower train_iters")
+                            f"{reply.steps} micro-batches; raise epochs or lower train_iters")
         packed, pos = reply
         marks = (packed.sample_epochs, packed.sample_ordinals)
         t0 = time.perf_counter()
-        batch = self._materialize(packed)
-        self.transfer_s += time.perf_counter() - t0
+        batch = packed if self.output == "numpy" else batch_tensors(packed, self._spec, self.device, self.pixel_dtype)
+        self._materialize_s += time.perf_counter() - t0
         self._fetched_pos = pos
         self._next_step = step + 1
         return batch, pos, marks
@@ -219,56 +178,6 @@ class DataClient:
                                  f"save_state()")
         error.__cause__ = exc
         return error
-
-    def _fetch(self, step: int) -> list:
-        """``[PackedBatch, position]`` of ``step``, or ``[End]``. A micro-batch whose feeder died after
-        handing out its ref (with its node, say) is lost with it: the feeder restarts and makes it again."""
-        for attempt in range(3):
-            reply = self._call_next(step)
-            if isinstance(reply[0], End):
-                return reply
-            t0 = time.perf_counter()
-            try:
-                return [ray.get(reply[0]), reply[1]]
-            except ObjectLostError as exc:  # OwnerDiedError among them
-                if self._halt.is_set() or attempt == 2:
-                    raise DataServiceError(f"micro-batch {step} of dp_rank {self.dp_rank} was lost: {exc}") from exc
-                self._recover_feeder()
-            finally:
-                self.transfer_s += time.perf_counter() - t0
-        raise AssertionError("unreachable")
-
-    def _call_next(self, step: int) -> list:
-        for attempt in range(3):
-            try:
-                return ray.get(self._feeder().next_batch.remote(self.consumer, step, self._node))
-            except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
-                if self._halt.is_set():  # the service was shut down: the feeder is meant to be gone
-                    raise DataServiceError(f"client of dp_rank {self.dp_rank} was halted") from exc
-                if isinstance(exc, ValueError) and self._fetched_pos is None and self._owned_feeder is None:
-                    raise DataServiceError(no_feeder(self.run, self.dp_rank)) from None  # never had one
-                if attempt == 2:
-                    raise DataServiceError(f"feeder of dp_rank {self.dp_rank} is gone and could not be "
-                                           f"restarted: {exc}") from exc
-                self._recover_feeder()
-        raise AssertionError("unreachable")
-
-    def _recover_feeder(self) -> None:
-        """The feeder died: restart it at the micro-batch after the last one fetched."""
-        self._reopen_feeder(self._state_after(self._fetched_pos))
-
-    def _materialize(self, packed: PackedBatch):
-        if self.output == "numpy":
-            return packed
-        return batch_tensors(packed, self._spec, self.device, self.pixel_dtype)
-
-
-def no_feeder(run: str, dp_rank: int, waited_s: float | None = None) -> str:
-    namespace = ray.get_runtime_context().namespace
-    waited = f" after {waited_s:.0f} s" if waited_s else ""
-    return (f"no feeder for dp_rank {dp_rank} of run {run!r} in Ray namespace {namespace!r}{waited}: start "
-            f"DataService(cfg, run={run!r}) in one process of the job and keep it alive, and connect() every "
-            "process to the same cluster (RAY_ADDRESS) and namespace")
 
 
 def attach(cfg: ServiceConfig, dp_rank: int, consumer: int = 0, *, run: str = "vlmfeed", wait_s: float = 120.0,

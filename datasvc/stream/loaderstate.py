@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from datasvc.pack.plan import Position
-from datasvc.remainder import TrainedSamples
+from datasvc.remainder import KEPT_EPOCHS, TrainedSamples
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,15 @@ class LoaderState:
                 **({"dataset": self.dataset} if self.dataset is not None else {}),
                 "trained": self.trained.to_state(),
                 **({"remainder": self.remainder} if self.remainder else {})}
+
+    @classmethod
+    def after(cls, delivered: dict | None, fingerprint: str, dp_rank: int, trained: TrainedSamples,
+              dataset: dict | None = None, remainder: dict | None = None) -> "LoaderState":
+        """The state that resumes right after the micro-batch at position ``delivered`` (None: from the
+        start), keeping the trained samples of the epochs a resume at another DP size still deals."""
+        pos = delivered or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
+        after = Position(pos["epoch"], pos["block"], pos["batch"] + 1, pos["step"] + 1, tuple(pos.get("carry", ())))
+        return cls(fingerprint, dp_rank, after, trained.since(pos["epoch"] - KEPT_EPOCHS), dataset, remainder)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoaderState":
