@@ -37,6 +37,12 @@ micro-batches, gives rows 0.949 full with 1, 0.972 with 2, 0.982 with 4 and 0.98
 re-reads at most 3 blocks."""
 
 
+def micro_batches_per_step(gbs: int, mbs: int, dp_size: int) -> int:
+    """Micro-batches each DP rank trains per optimizer step (gradient accumulation): ``gbs`` rows over
+    ``dp_size`` ranks of ``mbs`` rows; at least one."""
+    return max(1, gbs // max(1, mbs * dp_size))
+
+
 def device_pipeline_options(pipeline: str, device: Literal["cpu", "gpu"], max_pixels: int | None = None,
                      min_pixels: int | None = None, **options) -> dict:
     """The pipeline's options at the device's pixel cap; the pipeline's own minimum is lowered to the
@@ -117,6 +123,10 @@ DATA_FLAGS: dict[str, dict] = {
                         help="frames sampled a second of video (default: the pipeline's, 2)"),
     "--video-max-pixels": dict(type=positive_int, default=None,
                                help="cap on frames x height x width of one video (default: the pipeline's)"),
+    "--decode-threads": dict(type=positive_int, default=ServiceConfig.decode_threads,
+                             help="decode threads (CPUs) per preprocessing actor"),
+    "--data-seed": dict(type=int, default=ServiceConfig.seed,
+                        help="the data seed: the order of work items and of the samples in them"),
     "--items-per-block": dict(type=positive_int, default=None,
                               help="work items packed together (default: sized from the shards to fill "
                                    "--block-micro-batches)"),

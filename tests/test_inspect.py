@@ -325,7 +325,7 @@ def test_inspect_writes_what_each_rank_receives(shards, tmp_path):
     from datasvc.tools.inspect import InspectConfig, service_config
     from datasvc.tools.inspect_arrays import rank_fields
 
-    args = ["--all", "--device", "cpu", "--seq-len", "2048", "--mbs", "2", "--max-pixels", str(256 * 256), "--seed", "3"]
+    args = ["--all", "--device", "cpu", "--seq-len", "2048", "--mbs", "2", "--max-pixels", str(256 * 256), "--data-seed", "3"]
     keys, files = {}, {}
     for rank in (0, 1):
         out = tmp_path / f"rank{rank}"

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from datasvc.training import DEVICE_DEFAULTS, add_data_flags
+from datasvc.training import DEVICE_DEFAULTS, add_data_flags, micro_batches_per_step
 from datasvc.usage import UserError, positive_float, positive_int
 from datasvc.registry import pipeline_part
 from trainer.checkpoint import CheckpointingConfig, EvalConfig, add_long_run_args
@@ -120,6 +120,10 @@ class TrainConfig:
     # PyTorch's expandable allocator segments on each rank: large MBS leaves big freed blocks that a
     # later, larger allocation (the fp32 logits) cannot reuse; measured 18 GiB stranded at MBS 8.
     expandable_segments: bool = False
+
+    def grad_accum(self, dp_size: int) -> int:
+        """Micro-batches each of ``dp_size`` DP ranks trains per optimizer step."""
+        return micro_batches_per_step(self.gbs, self.mbs, dp_size)
 
     def for_cpu_development(self, given: set[str]) -> "TrainConfig":
         """These settings on the CPU development path (``CPU_DEVELOPMENT``), but for the fields whose

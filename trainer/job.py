@@ -54,16 +54,14 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                         "so its headers are read once per job, not once per DP rank (`vlmfeed sizes` fills it "
                         "ahead; feeders add what is missing)")
     add_data_flags(g, "--decode", "--max-pixels", "--min-pixels")
-    g.add_argument("--decode-threads", type=positive_int, default=1)
-    add_data_flags(g, "--cpu-jpeg-decoder")
+    add_data_flags(g, "--decode-threads", "--cpu-jpeg-decoder")
     g.add_argument("--resize-on", choices=["rank", "actor"], default=ServiceConfig.resize_on,
                    help="with --decode cpu: where an image's last resize runs; rank: on the trainer's GPU "
                         "with HF's own resize, sparing the preprocessing actors nearly half their CPU time")
     g.add_argument("--data-actors", type=positive_int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
                    help="preprocessing actors per DP rank (autoscaled between)")
     add_data_flags(g, "--video-fps", "--video-max-pixels")
-    g.add_argument("--data-seed", type=int, default=0)
-    add_data_flags(g, "--items-per-block", "--block-micro-batches", "--chain-blocks")
+    add_data_flags(g, "--data-seed", "--items-per-block", "--block-micro-batches", "--chain-blocks")
     from trainer.plan.gate import add_plan_args
 
     add_plan_args(p)
@@ -313,7 +311,7 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
         cpu_jpeg_decoder=args.cpu_jpeg_decoder, resize_on=args.resize_on,
         min_actors=args.data_actors[0], max_actors=args.data_actors[1], balance_dp=args.balance_dp,
         balance_cost=balance_cost(cfg) if args.balance_dp else {}, sizes_index=args.sizes_index,
-        micro_batches_per_step=cfg.train.gbs // (cfg.train.mbs * layout0.dp_size))
+        micro_batches_per_step=cfg.train.grad_accum(layout0.dp_size))
     if sizing is not None:
         log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
                  data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
@@ -435,7 +433,7 @@ def _cpu_rank(job: Job, layout, start: dict | None):
                  if job.valid_cfg is not None else None)
         control = ray.get_actor(f"{job.run}-control")
         me = CpuRank(rank=layout.rank, world=layout.world, dp_rank=layout.dp_rank,
-                     grad_accum=cfg.train.gbs // (cfg.train.mbs * layout.dp_size), metrics_path=job.metrics_path,
+                     grad_accum=cfg.train.grad_accum(layout.dp_size), metrics_path=job.metrics_path,
                      samples_path=job.samples_path, resume_step=job.resume.step if job.resume else 0,
                      stop_requested=lambda: ray.get(control.stop_reason.remote()))
         records = cpu_train(cfg, client, me, valid_iter=valid, loader=client if layout.consumer == 0 else None)

@@ -1,7 +1,7 @@
 """Scale on paper: what the data path needs per node to keep N GPUs of a model fed, from a measured
 profile and the planner.
 
-    python -m trainer.scale [--profile docs/deploy/profile-photos-cpu.json] [--gpus 8,64,512]
+    python -m trainer.scale [--profile trainer/data/profile-photos-cpu.json] [--gpus 8,64,512]
                             [--cores-per-node 112] [--gpus-per-node 8] [--mfu 0.4]
 
 Per (model, GPUs, MBS): the planner picks the parallel layout that fits the GPUs (trainer.plan:
@@ -35,8 +35,7 @@ PRESETS = {"30B-A3B": "qwen3vl-30b-a3b", "235B-A22B": "qwen3vl-235b-a22b"}
 LAYOUTS = [{"strategy": "fsdp"}, {"strategy": "fsdp", "ep": 8},
            {"strategy": "3d", "tp": 2, "pp": 4, "ep": 8}, {"strategy": "3d", "tp": 4, "pp": 8, "ep": 8}]
 BYTES_PER_TOKEN = 8 + 8 + 4  # tokens and labels int64, loss mask float32
-DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "docs", "deploy", "profile-photos-cpu.json")
+DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profile-photos-cpu.json")
 
 
 @dataclass

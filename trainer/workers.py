@@ -97,6 +97,8 @@ class WorkerGroup:
         # PACK: ranks fill a node before the next, so NCCL groups stay on NVLink where they can
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
+        # Each rank holds its bundle's CPUs and GPU share, so data actors never land on them; the env vars
+        # (allocator, NCCL) must be set before torch starts in the worker, hence in its runtime env.
         actors = [TrainerWorker.options(
             num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
             runtime_env={"env_vars": env} if env else None,

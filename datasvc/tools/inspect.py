@@ -320,8 +320,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mbs", type=int, default=1, help="micro-batch size (rows per packed micro-batch)")
     ap.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks the shards are split over")
     ap.add_argument("--rank", type=int, default=0, help="the data-parallel rank whose micro-batches to write")
-    ap.add_argument("--seed", type=int, default=0, help="the data seed (the order of work items and of samples)")
-    add_data_flags(ap, "--pipeline")
+    add_data_flags(ap, "--data-seed", "--pipeline")
     ap.add_argument("--tokenizer", default=None, help="HF model id or local path (default: bundled Qwen3)")
     ap.add_argument("--max-rows", type=int, default=500, help="rows of the table to print")
     return ap
@@ -336,7 +335,7 @@ def run(argv: list[str] | None = None) -> int:
         summary = inspect_shards(
             args.shards, args.out, pipeline=args.pipeline, device=args.device, decode=args.decode,
             pack=not args.no_pack, seq_len=args.seq_len, micro_batch_size=args.mbs, dp_size=args.dp_size,
-            rank=args.rank, seed=args.seed, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
+            rank=args.rank, seed=args.data_seed, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
             pipeline_options={"tokenizer": args.tokenizer} if args.tokenizer else {},
             limit=None if args.all or args.limit == 0 else args.limit, progress=True)
     except (NoShardsError, DataServiceError, ValueError) as exc:  # a pattern, a rank or an option that cannot be

@@ -233,7 +233,7 @@ def feed_from_vlmfeed(container: ConfigContainer, shards=(), *, world_size: int 
     length, micro-batch size and DP size (``world_size``: WORLD_SIZE, else 1); ``data_options`` set
     any other of its arguments (``max_pixels``, ``decode``, ``min_actors``, ...). Global rank 0
     starts the service when Bridge builds the datasets. Set the container's geometry first."""
-    from datasvc.training import for_training
+    from datasvc.training import for_training, micro_batches_per_step
 
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = rank_layout(container, 0, world)
@@ -243,7 +243,7 @@ def feed_from_vlmfeed(container: ConfigContainer, shards=(), *, world_size: int 
     data_cfg = for_training(shards, **{
         "device": "gpu", "seq_len": container.model.seq_length, "micro_batch_size": mbs,
         "dp_size": layout.dp_size, "consumers_per_replica": layout.model_parallel, "pack": not padded,
-        "micro_batches_per_step": max(1, gbs // (mbs * layout.dp_size)), **data_options})
+        "micro_batches_per_step": micro_batches_per_step(gbs, mbs, layout.dp_size), **data_options})
     check_geometry(container, data_cfg, world)
     iterator = TimedIterator(None, adapt=to_stock_batch if padded else None)
     container.dataset = VlmfeedDataProvider(seq_length=container.model.seq_length)

@@ -101,7 +101,7 @@ def layout(cfg, gpus: int) -> Layout:
     etp = p.etp or p.tp
     return Layout(gpus=gpus, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=etp, vpp=p.vpp or 1, dp=dp,
                   expert_dp=max(1, gpus // (etp * p.ep * p.pp)),
-                  micro_batches=max(1, t.gbs // max(1, t.mbs * dp)))
+                  micro_batches=t.grad_accum(dp))
 
 
 @dataclass(frozen=True)

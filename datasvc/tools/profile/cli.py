@@ -44,7 +44,7 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mbs", type=positive_ints, default=[1, 2, 4, 8], help="micro-batch sizes, comma separated")
     add_data_flags(ap, "--cpu-jpeg-decoder")
     ap.add_argument("--actors", type=positive_ints, default=[1, 2], help="preprocessing actors per DP rank, comma separated")
-    ap.add_argument("--threads", type=positive_int, default=1, help="decode threads (CPUs) per actor")
+    add_data_flags(ap, "--decode-threads")
     amount = ap.add_mutually_exclusive_group()
     amount.add_argument("--samples", type=positive_int, help="samples to measure per setting (after a warm-up block); default 256")
     amount.add_argument("--seconds", type=positive_float, help="seconds to measure per setting")
@@ -102,7 +102,7 @@ def _parser(mode: str) -> argparse.ArgumentParser:
 def _settings(args, shards) -> Settings:
     return Settings(shards=shards, pipeline=args.pipeline, device=args.device, seq_len=args.seq_len, mbs=args.mbs,
                     decode=args.decode, min_pixels=args.min_pixels,
-                    cpu_jpeg_decoder=args.cpu_jpeg_decoder, actors=args.actors, threads=args.threads, samples=args.samples, seconds=args.seconds,
+                    cpu_jpeg_decoder=args.cpu_jpeg_decoder, actors=args.actors, threads=args.decode_threads, samples=args.samples, seconds=args.seconds,
                     max_pixels=args.max_pixels, video_fps=args.video_fps, video_max_pixels=args.video_max_pixels,
                     samples_per_item=args.samples_per_item,
                     filters=filters_from_flags(args), blend=args.blend,

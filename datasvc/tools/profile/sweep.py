@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from datasvc.tools.profile.measure import measure
 from datasvc.tools.profile.verdict import Demand, verdicts
-from datasvc.training import BLOCK_MICRO_BATCHES
+from datasvc.training import BLOCK_MICRO_BATCHES, micro_batches_per_step
 DEFAULT_MICRO_BATCHES_PER_RANK = 8
 """Micro-batches a DP rank trains a step when neither --gbs nor --grad-accum says (one would leave
 nothing to balance: each rank's single micro-batch is its step)."""
@@ -81,9 +81,10 @@ class Settings:
         from datasvc.pack import balance
 
         dp = self.dp or 1
-        per_rank = self.micro_batches_per_rank or (self.gbs // (dp * mbs) if self.gbs else DEFAULT_MICRO_BATCHES_PER_RANK)
-        if per_rank < 1:
+        if self.gbs and self.gbs < dp * mbs:
             raise ValueError(f"--gbs {self.gbs} is smaller than DP x MBS = {dp * mbs}")
+        per_rank = self.micro_batches_per_rank or (micro_batches_per_step(self.gbs, mbs, dp) if self.gbs
+                                                   else DEFAULT_MICRO_BATCHES_PER_RANK)
         try:
             model = balance.cost_model(self.pipeline, self.cost_preset)
         except ValueError:  # a custom model: the pipeline's fitted proxy
