@@ -53,7 +53,7 @@ def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: i
     """The data service as ``trainer.run`` configures it, at the peers' pixel limits."""
     from datasvc.config import ServiceConfig
     from datasvc.pack.plan import size_blocks
-    from datasvc.training import CHAIN_BLOCKS
+    from datasvc.training import BLOCK_MICRO_BATCHES, CHAIN_BLOCKS
 
     cfg = ServiceConfig(shards=setting.shards, pipeline=setting.pipeline,
                         pipeline_options={"min_pixels": setting.min_pixels, "max_pixels": setting.max_pixels},
@@ -61,7 +61,7 @@ def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: i
                         consumers_per_replica=consumers, epochs=None, blocks_span_epochs=True,
                         chain_blocks=CHAIN_BLOCKS, seed=0, decode=decode, decode_threads=1,
                         min_actors=actors, max_actors=actors, items_per_block=1)
-    return size_blocks(cfg, target_micro_batches=8)[0]
+    return size_blocks(cfg, target_micro_batches=BLOCK_MICRO_BATCHES)[0]
 
 
 class VlmfeedPath:
