@@ -42,6 +42,7 @@ MISTAKES = [
     (VLMFEED + ["samples", "--out", "data.csv"], "is a file; give a directory"),
     (VLMFEED + ["inpsect"], "unknown subcommand 'inpsect'; did you mean 'inspect'?"),
     (TRAIN + ["--mbs", "0"], "argument --mbs: must be >= 1, not 0"),
+    (TRAIN + ["--seed", "0"], "argument --seed: must be >= 1, not 0"),  # Megatron asserts deep in a rank
     (TRAIN + ["--data-actors", "0", "2"], "argument --data-actors: must be >= 1, not 0"),
     (TRAIN + ["--train-iters", "-1"], "argument --train-iters: must be >= 1, not -1"),
     (TRAIN + ["--world-size", "0"], "argument --world-size: must be >= 1, not 0"),

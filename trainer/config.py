@@ -212,7 +212,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=d.train.weight_decay)
     g.add_argument("--clip-grad", type=float, default=d.train.clip_grad)
     _bool_flag(g, "--bf16", True, "bf16 mixed precision (--no-bf16: fp32)")
-    g.add_argument("--seed", type=int, default=d.train.seed)
+    g.add_argument("--seed", type=positive_int, default=d.train.seed, help="the training seed (Megatron takes only one above 0)")
     g.add_argument("--log-interval", type=positive_int, default=d.train.log_interval)
     _bool_flag(g, "--padded", False, "stock Megatron-Bridge qwen3_vl_step on padded rows (comparison)")
     _bool_flag(g, "--expandable-segments", False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every "
