@@ -126,6 +126,13 @@ def _process_part(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: 
     return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
 
 
+def decode_job(data: bytes, spec) -> DecodeJob:
+    """An encoded image's decode job from its header alone: the pixel cap and the aspect rule apply
+    here, before any pixel is decoded (raises ``ImageRejected``)."""
+    header = probe(data, spec.max_decode_pixels, spec.exif_orientation)
+    return DecodeJob(data, header, spec.target_size(header.height, header.width))
+
+
 def _probe_samples(raws: list, problems: list, spec, times: StageTimes) -> dict[int, list[DecodeJob]]:
     """Each live sample's decode jobs from its image headers; a rejected header rejects the sample."""
     t0 = time.perf_counter()
@@ -136,8 +143,7 @@ def _probe_samples(raws: list, problems: list, spec, times: StageTimes) -> dict[
         mine = []
         for _ext, data in raw.images:
             try:
-                header = probe(data, spec.max_decode_pixels, spec.exif_orientation)
-                mine.append(DecodeJob(data, header, spec.target_size(header.height, header.width)))
+                mine.append(decode_job(data, spec))
             except ImageRejected as exc:  # the header, or its aspect ratio (target_size)
                 problems[si] = (exc.reason, exc.detail, "decode")
                 break
@@ -230,16 +236,14 @@ def quarantine_item(item: WorkItem, reason: str, detail: str) -> ItemResult:
 
 def preprocess_images(blobs: list[bytes], spec, decoder: Decoder,
                       times: StageTimes | None = None) -> list[tuple[np.ndarray, tuple] | ImageRejected]:
-    """Encoded images -> (uint8 ``vision.pixel_rows``, grid) each, or the reason one was rejected.
-
-    Every header is probed first, so the pixel cap and the aspect rule apply before any decode.
+    """Encoded images -> (uint8 ``vision.pixel_rows``, grid) each, or the reason one was rejected: the
+    actors' probe (``decode_job``) and decoder on images alone, as the per-core benches time them.
     """
     t0 = time.perf_counter()
     jobs, out = [], []
     for data in blobs:
         try:
-            header = probe(data, spec.max_decode_pixels, spec.exif_orientation)
-            jobs.append(DecodeJob(data, header, spec.target_size(header.height, header.width)))
+            jobs.append(decode_job(data, spec))
             out.append(None)
         except ImageRejected as exc:
             out.append(exc)
