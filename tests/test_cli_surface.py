@@ -77,3 +77,49 @@ def test_every_command_that_takes_a_geometry_flag_means_the_same_by_it():
     takers = {flag: [name for name, opts in recorded.items() if flag in opts] for flag in DATA_FLAGS}
     assert {"inspect", "info", "profile"} <= set(takers["--device"])
     assert {"trainer.run", "inspect", "info", "profile", "sizes"} <= set(takers["--max-pixels"])
+
+
+def _other_value(section, f, default):
+    """A value of field ``f`` that is not its default, as a flag takes it."""
+    import typing
+
+    from trainer.flags import _base
+
+    base = _base(typing.get_type_hints(section)[f.name])
+    if base is bool:
+        return not default
+    if typing.get_origin(base) is typing.Literal:
+        return next(c for c in typing.get_args(base) if c != default)
+    if typing.get_origin(base) is list:
+        return ["core_attn", "mlp"]
+    if base is float:
+        return (default or 1.0) * 3
+    if base is int:
+        return (default or 1) + 2
+    return "given-value"
+
+
+def test_every_training_setting_is_a_flag_on_its_field_and_fills_it():
+    """The trainer's options are generated from its config sections: each flagged field round-trips
+    through its flag, and a field without one is a known exception, so no setting is written twice."""
+    import argparse
+    import dataclasses
+
+    from trainer.config import TrainerConfig, add_cli_args, from_args
+    from trainer.flags import _flag, flag_name
+
+    unflagged, parser = [], add_cli_args(argparse.ArgumentParser())
+    for owner in dataclasses.fields(TrainerConfig):
+        section = type(getattr(TrainerConfig(), owner.name))
+        for f in dataclasses.fields(section):
+            if _flag(f) is None:
+                unflagged.append(f"{owner.name}.{f.name}")
+                continue
+            value = _other_value(section, f, getattr(section(), f.name))
+            argv = [flag_name(f)] if value is True else [f"--no-{flag_name(f)[2:]}"] if value is False \
+                else [flag_name(f), *map(str, value if isinstance(value, list) else [value])]
+            if value is False and _flag(f).action == "store_true":
+                continue  # a store_true flag is off unless given
+            cfg = from_args(parser.parse_args(argv))
+            assert getattr(getattr(cfg, owner.name), f.name) == value, argv
+    assert unflagged == ["model.pipeline"]  # the positional pipeline argument

@@ -24,12 +24,12 @@ import logging
 import posixpath
 import re
 
-import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fsspec
 
-from datasvc.usage import positive_float, positive_int
+from datasvc.usage import positive_float
+from trainer.flags import flag
 
 log = logging.getLogger("vlmfeed.checkpoint")
 
@@ -44,20 +44,29 @@ _ITER = re.compile(r"iter_(\d{7})$")
 class CheckpointingConfig:
     """Saving, resuming, stopping early and exporting (names as Megatron-Bridge's)."""
 
-    save: str | None = None  # a directory (or s3:// URL on the CPU path) to save checkpoints in
-    save_interval: int | None = None  # steps between checkpoints; None: only at the end and on exit
-    load: str | None = None  # resume from the newest checkpoint here (none there: start afresh)
-    keep_last: int | None = None  # checkpoints kept (the newest); None: all
-    exit_interval: int | None = None  # stop, saving, once the step is a multiple of this
-    exit_duration_in_mins: float | None = None  # stop, saving, after this many minutes of training
-    export_hf: str | None = None  # write a Hugging Face checkpoint of the trained model here at the end
-    export_hf_on_save: bool = False  # also write one into each checkpoint (DIR/iter_N/hf)
+    save: str | None = field(default=None, metadata=flag(
+        "save checkpoints here (a shared path; s3:// on the CPU path); also on SIGTERM and at the end", metavar="DIR"))
+    save_interval: int | None = field(default=None, metadata=flag(
+        "steps between checkpoints (default: end and exit only)"))
+    load: str | None = field(default=None, metadata=flag(
+        "resume from the newest checkpoint in DIR (none there: start afresh), also at another data-parallel size",
+        metavar="DIR"))
+    keep_last: int | None = field(default=None, metadata=flag("checkpoints kept, newest first (default: all)"))
+    exit_interval: int | None = field(default=None, metadata=flag("save and stop once the step is a multiple of this"))
+    exit_duration_in_mins: float | None = field(default=None, metadata=flag(
+        "save and stop after this many minutes", type=positive_float))
+    export_hf: str | None = field(default=None, metadata=flag(
+        "write a Hugging Face checkpoint of the trained model here at the end", metavar="DIR"))
+    export_hf_on_save: bool = field(default=False, metadata=flag(
+        "also write a Hugging Face checkpoint into each checkpoint (DIR/iter_N/hf; on GPUs: --strategy 3d with "
+        "--hf-path, Bridge's own export)", action="store_true"))
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    eval_interval: int | None = None  # steps between validation passes; None: no validation
-    eval_iters: int = 4  # global batches per validation pass
+    eval_interval: int | None = field(default=None, metadata=flag(
+        "steps between validation passes over --valid-shards (default: none)"))
+    eval_iters: int = field(default=4, metadata=flag("global batches per validation pass (default: %(default)s)"))
 
 
 def check_long_run(cfg) -> list[str]:
@@ -73,26 +82,6 @@ def check_long_run(cfg) -> list[str]:
     if (c.save_interval or c.keep_last or c.export_hf_on_save) and not c.save:
         out.append("--save-interval, --keep-last and --export-hf-on-save need --save DIR (where checkpoints go)")
     return out
-
-
-def add_long_run_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpoints, evaluation and export")
-    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (a shared path; s3:// on the CPU "
-                   "path); also on SIGTERM and at the end")
-    g.add_argument("--save-interval", type=positive_int, default=None, help="steps between checkpoints (default: end and exit only)")
-    g.add_argument("--load", default=None, metavar="DIR", help="resume from the newest checkpoint in DIR (none there: "
-                   "start afresh), also at another data-parallel size")
-    g.add_argument("--keep-last", type=positive_int, default=None, help="checkpoints kept, newest first (default: all)")
-    g.add_argument("--exit-interval", type=positive_int, default=None, help="save and stop once the step is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=positive_float, default=None, help="save and stop after this many minutes")
-    g.add_argument("--export-hf", default=None, metavar="DIR", help="write a Hugging Face checkpoint of the trained "
-                   "model here at the end")
-    g.add_argument("--export-hf-on-save", action="store_true", help="also write a Hugging Face checkpoint into "
-                   "each checkpoint (DIR/iter_N/hf; on GPUs: --strategy 3d with --hf-path, Bridge's own export)")
-    g.add_argument("--eval-interval", type=positive_int, default=None, help="steps between validation passes over "
-                   "--valid-shards (default: none)")
-    g.add_argument("--eval-iters", type=positive_int, default=EvalConfig().eval_iters,
-                   help="global batches per validation pass (default: %(default)s)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ Megatron-Core / Megatron-Bridge would make later (deep inside model construction
 start-up) and says what to change. ``trainer.megatron.container`` turns a validated config into a
 Megatron-Bridge ``ConfigContainer``.
 
-Command line: ``add_cli_args(parser)`` adds the options, ``from_args(args)`` builds the config. The
-checks themselves are in ``trainer.config_checks``.
+Command line: each option is a section field with ``flag(...)`` metadata; ``add_cli_args(parser)``
+adds them (``trainer.flags``), ``from_args(args)`` builds the config. The checks themselves are in
+``trainer.config_checks``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Literal
 from datasvc.training import DEVICE_DEFAULTS, add_data_flags, micro_batches_per_step
 from datasvc.usage import UserError, positive_float, positive_int
 from datasvc.registry import pipeline_part
-from trainer.checkpoint import CheckpointingConfig, EvalConfig, add_long_run_args
+from trainer.checkpoint import CheckpointingConfig, EvalConfig
+from trainer.flags import add_section_flags, flag, section_from_args
 from trainer.config_checks import problems_of
 
 
@@ -28,22 +30,24 @@ class ConfigError(ValueError, UserError):
 
 
 # Sections ----------------------------------------------------------------------------------------
+# A field with ``flag(...)`` is a command-line option of trainer.run and trainer.plan (trainer.flags).
 @dataclass(kw_only=True)
 class ModelConfig:
     pipeline: str = "qwen3vl"  # the model family (pipelines/NAME): its presets, HF config, CPU model
-    preset: str = "qwen3vl-30b-a3b"
+    preset: str = field(default="qwen3vl-30b-a3b", metadata=flag(
+        "an architecture preset of the pipeline (default: its own)", name="--model-preset", type=str, default=None))
     # Overrides that turn a preset into a proxy that fits one or two GPUs (None keeps the preset's).
-    num_layers: int | None = None
-    num_experts: int | None = None
-    vision_depth: int | None = None
-    # A Hugging Face checkpoint (id or local dir) to start from through AutoBridge; None = random init.
-    hf_path: str | None = None
-    freeze_language_model: bool = False
-    freeze_vision_model: bool = False
-    freeze_vision_projection: bool = False
-    # Run the vision tower over at most this many patches of a micro-batch at a time (whole images;
-    # 0 = all at once). Bounds the tower's transient attention memory at large MBS.
-    vision_chunk_patches: int = 0
+    num_layers: int | None = field(default=None, metadata=flag("decoder layers (proxy override)", type=int))
+    num_experts: int | None = field(default=None, metadata=flag("experts per MoE layer (proxy override)", type=int))
+    vision_depth: int | None = field(default=None, metadata=flag("vision tower layers (proxy override)", type=int))
+    hf_path: str | None = field(default=None, metadata=flag(
+        "start from this HF checkpoint (id or local dir) via AutoBridge (default: random init)"))
+    freeze_language_model: bool = field(default=False, metadata=flag("freeze the language model"))
+    freeze_vision_model: bool = field(default=False, metadata=flag("freeze the vision tower"))
+    freeze_vision_projection: bool = field(default=False, metadata=flag("freeze the vision projection (mergers)"))
+    vision_chunk_patches: int = field(default=0, metadata=flag(
+        "run the vision tower over at most this many patches at a time, whole images (0 = a micro-batch's "
+        "images at once); lowers its peak memory at large MBS", type=int))
 
     def arch(self):
         """The preset with the overrides applied (the pipeline's ``arch`` dataclass)."""
@@ -53,42 +57,49 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    # fsdp: Megatron-FSDP (params, grads and optimizer state sharded over DP), overlaps on.
-    # 3d:   TP/PP/VPP/CP/EP/ETP with the distributed optimizer.
-    strategy: Literal["fsdp", "3d"] = "fsdp"
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; None = Megatron's default (same as TP)
+    strategy: Literal["fsdp", "3d"] = field(default="fsdp", metadata=flag(
+        "fsdp: Megatron-FSDP (params, grads and optimizer state sharded over DP), overlaps on; 3d: TP/PP/VPP/CP/"
+        "EP/ETP with the distributed optimizer"))
+    tp: int = field(default=1, metadata=flag("tensor-parallel size"))
+    pp: int = field(default=1, metadata=flag("pipeline-parallel size"))
+    vpp: int | None = field(default=None, metadata=flag("virtual pipeline stages per rank"))
+    cp: int = field(default=1, metadata=flag("context-parallel size"))
+    ep: int = field(default=1, metadata=flag("expert-parallel size"))
+    etp: int | None = field(default=None, metadata=flag("expert tensor-parallel size (default: Megatron's, as TP)"))
 
 
 @dataclass(kw_only=True)
 class MoEConfig:
-    dispatcher: Literal["alltoall", "flex"] = "alltoall"
-    flex_backend: Literal["deepep", "hybridep"] | None = None  # required with dispatcher="flex"
-    aux_loss_coeff: float = 1e-3
+    dispatcher: Literal["alltoall", "flex"] = field(default="alltoall", metadata=flag(
+        "the MoE token dispatcher", name="--moe-dispatcher"))
+    flex_backend: Literal["deepep", "hybridep"] | None = field(default=None, metadata=flag(
+        "the flex dispatcher's backend (needed with --moe-dispatcher flex)"))
+    aux_loss_coeff: float = field(default=1e-3, metadata=flag("load-balancing loss coefficient",
+                                                              name="--moe-aux-loss-coeff"))
 
 
 @dataclass(kw_only=True)
 class RecomputeConfig:
-    granularity: Literal["none", "full", "selective"] = "none"
-    # selective: which modules to recompute (Megatron's names); full: uniform, every layer.
-    modules: list[str] = field(default_factory=lambda: ["core_attn"])
-    num_layers: int = 1  # full recompute: layers per recompute chunk (Megatron "uniform" method)
+    granularity: Literal["none", "full", "selective"] = field(default="none", metadata=flag(
+        "activation recompute", name="--recompute"))
+    modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata=flag(
+        "selective recompute: which modules (Megatron's names; default: core_attn)", name="--recompute-modules",
+        default=None))
+    num_layers: int = field(default=1, metadata=flag(
+        "full recompute: layers per recompute chunk (Megatron's uniform method)", name="--recompute-num-layers",
+        type=int))
 
 
 @dataclass(kw_only=True)
 class CudaGraphConfig:
-    # Per-layer Transformer Engine CUDA graphs over these parts of each decoder layer, e.g.
-    # ["attn", "moe_router", "moe_preprocess"]; empty = CUDA graphs off.
-    scope: list[str] = field(default_factory=list)
-    warmup_steps: int = 3
-    # The vision tower's layers as CUDA graphs at one fixed length: the most patches a micro-batch
-    # can carry (every token an image token), padding masked, each frame attending within itself
-    # (trainer.megatron.vision_graphs).
-    static_shapes: bool = False
+    scope: list[str] = field(default_factory=list, metadata=flag(
+        "per-layer Transformer Engine CUDA graphs over these parts of each decoder layer, e.g. moe_router "
+        "moe_preprocess (empty: CUDA graphs off)", name="--cuda-graph-scope", nargs="*"))
+    warmup_steps: int = field(default=3, metadata=flag("steps before capture", name="--cuda-graph-warmup-steps",
+                                                       type=int))
+    static_shapes: bool = field(default=False, metadata=flag(
+        "the vision tower as CUDA graphs at one fixed length (--mbs x --seq-len x 4 patches, padding masked, "
+        "each image attending within itself); --strategy 3d only"))
 
     def vision_length(self, mbs: int, seq_len: int, merge: int = 2) -> int:
         """The fixed number of vision patches the tower's graphs take."""
@@ -102,24 +113,25 @@ and visibly learns."""
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    mbs: int = 1  # rows per micro-batch (a packed row holds several samples)
-    gbs: int = 8  # rows per optimizer step, over all DP ranks
-    seq_len: int = DEVICE_DEFAULTS["gpu"].seq_len
-    train_iters: int = 50
-    lr: float = 1e-4
-    min_lr: float = 1e-5
-    warmup_iters: int = 5
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    bf16: bool = True
-    seed: int = 1234
-    log_interval: int = 1
-    # padded=True: Megatron-Bridge's stock qwen3_vl_step with one sample per padded row (comparison
-    # baseline); False: our packed forward step (THD, MRoPE restarted per sample).
-    padded: bool = False
-    # PyTorch's expandable allocator segments on each rank: large MBS leaves big freed blocks that a
-    # later, larger allocation (the fp32 logits) cannot reuse; measured 18 GiB stranded at MBS 8.
-    expandable_segments: bool = False
+    mbs: int = field(default=1, metadata=flag("micro-batch rows (a packed row holds several samples)"))
+    gbs: int = field(default=8, metadata=flag("rows per optimizer step over all DP ranks (default: mbs x dp)"))
+    seq_len: int = field(default=DEVICE_DEFAULTS["gpu"].seq_len, metadata=flag(data=True))
+    train_iters: int = field(default=50, metadata=flag("optimizer steps"))
+    lr: float = field(default=1e-4, metadata=flag("peak learning rate", type=positive_float))
+    min_lr: float = field(default=1e-5, metadata=flag("learning rate at the end of the cosine decay"))
+    warmup_iters: int = field(default=5, metadata=flag("linear warm-up steps", type=int))
+    weight_decay: float = field(default=0.1, metadata=flag("AdamW weight decay"))
+    clip_grad: float = field(default=1.0, metadata=flag("gradient norm clip"))
+    bf16: bool = field(default=True, metadata=flag("bf16 mixed precision (--no-bf16: fp32)"))
+    seed: int = field(default=1234, metadata=flag("the training seed (Megatron takes only one above 0)"))
+    log_interval: int = field(default=1, metadata=flag("steps between log lines"))
+    padded: bool = field(default=False, metadata=flag(
+        "Megatron-Bridge's stock qwen3_vl_step on one sample per padded row (the comparison baseline; default: "
+        "the packed THD step, MRoPE restarted per sample)"))
+    # Large MBS leaves big freed blocks that a later, larger allocation (the fp32 logits) cannot reuse:
+    # measured 18 GiB stranded at MBS 8.
+    expandable_segments: bool = field(default=False, metadata=flag(
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every rank (less fragmentation at large MBS)"))
 
     def grad_accum(self, dp_size: int) -> int:
         """Micro-batches each of ``dp_size`` DP ranks trains per optimizer step."""
@@ -158,66 +170,18 @@ class TrainerConfig:
 
 
 # Command line ------------------------------------------------------------------------------------
-def _bool_flag(group, name: str, default: bool, help: str) -> None:
-    group.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
+FLAG_GROUPS = (("model", (ModelConfig,)), ("parallelism", (ParallelConfig,)), ("moe", (MoEConfig,)),
+               ("memory and speed", (RecomputeConfig, CudaGraphConfig)), ("training", (TrainConfig,)),
+               ("checkpoints, evaluation and export", (CheckpointingConfig, EvalConfig)))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the Megatron backend's options (names follow the Megatron-Bridge performance guide)."""
-    d = TrainerConfig()
-    g = parser.add_argument_group("model")
-    g.add_argument("--model-preset", default=None, help="an architecture preset of the pipeline (default: its own)")
-    g.add_argument("--num-layers", type=int, default=None, help="decoder layers (proxy override)")
-    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (proxy override)")
-    g.add_argument("--vision-depth", type=int, default=None, help="vision tower layers (proxy override)")
-    g.add_argument("--hf-path", default=None, help="start from this HF checkpoint via AutoBridge (default: random init)")
-    _bool_flag(g, "--freeze-language-model", False, "freeze the language model")
-    _bool_flag(g, "--freeze-vision-model", False, "freeze the vision tower")
-    _bool_flag(g, "--freeze-vision-projection", False, "freeze the vision projection (mergers)")
-    g.add_argument("--vision-chunk-patches", type=int, default=d.model.vision_chunk_patches,
-                   help="run the vision tower over at most this many patches at a time, whole images "
-                        "(0 = a micro-batch's images at once); lowers its peak memory at large MBS")
-
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--strategy", choices=["fsdp", "3d"], default=d.parallel.strategy)
-    for name in ("tp", "pp", "cp", "ep"):
-        g.add_argument(f"--{name}", type=positive_int, default=getattr(d.parallel, name))
-    g.add_argument("--vpp", type=positive_int, default=None)
-    g.add_argument("--etp", type=positive_int, default=None)
-
-    g = parser.add_argument_group("moe")
-    g.add_argument("--moe-dispatcher", choices=["alltoall", "flex"], default=d.moe.dispatcher)
-    g.add_argument("--flex-backend", choices=["deepep", "hybridep"], default=None)
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=d.moe.aux_loss_coeff)
-
-    g = parser.add_argument_group("memory and speed")
-    g.add_argument("--recompute", choices=["none", "full", "selective"], default=d.recompute.granularity)
-    g.add_argument("--recompute-modules", nargs="+", default=None, help="selective recompute modules")
-    g.add_argument("--recompute-num-layers", type=int, default=d.recompute.num_layers)
-    g.add_argument("--cuda-graph-scope", nargs="*", default=[],
-                   help="e.g. moe_router moe_preprocess (empty: CUDA graphs off)")
-    g.add_argument("--cuda-graph-warmup-steps", type=int, default=d.cuda_graph.warmup_steps)
-    _bool_flag(g, "--static-shapes", d.cuda_graph.static_shapes,
-               "the vision tower as CUDA graphs at one fixed length (--mbs x --seq-len x 4 patches, padding "
-               "masked, each image attending within itself); --strategy 3d only")
-
-    g = parser.add_argument_group("training")
-    g.add_argument("--mbs", type=positive_int, default=d.train.mbs, help="micro-batch rows")
-    g.add_argument("--gbs", type=positive_int, default=d.train.gbs, help="global batch rows")
-    add_data_flags(g, "--seq-len")
-    g.add_argument("--train-iters", type=positive_int, default=d.train.train_iters)
-    g.add_argument("--lr", type=positive_float, default=d.train.lr)
-    g.add_argument("--min-lr", type=float, default=d.train.min_lr)
-    g.add_argument("--warmup-iters", type=int, default=d.train.warmup_iters)
-    g.add_argument("--weight-decay", type=float, default=d.train.weight_decay)
-    g.add_argument("--clip-grad", type=float, default=d.train.clip_grad)
-    _bool_flag(g, "--bf16", True, "bf16 mixed precision (--no-bf16: fp32)")
-    g.add_argument("--seed", type=positive_int, default=d.train.seed, help="the training seed (Megatron takes only one above 0)")
-    g.add_argument("--log-interval", type=positive_int, default=d.train.log_interval)
-    _bool_flag(g, "--padded", False, "stock Megatron-Bridge qwen3_vl_step on padded rows (comparison)")
-    _bool_flag(g, "--expandable-segments", False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every "
-               "rank (less fragmentation at large MBS)")
-    add_long_run_args(parser)  # checkpoints, evaluation and export: trainer.checkpoint
+    """Add the training options: every flagged field of the sections (names follow the Megatron-Bridge
+    performance guide)."""
+    for title, sections in FLAG_GROUPS:
+        group = parser.add_argument_group(title)
+        for section in sections:
+            add_section_flags(group, section)
     return parser
 
 
@@ -225,22 +189,13 @@ def from_args(args: argparse.Namespace) -> TrainerConfig:
     """Build the config from parsed arguments (unknown attributes are ignored)."""
     pipeline = getattr(args, "pipeline", ModelConfig.pipeline)  # the benches' parsers have none
     return TrainerConfig(
-        model=_named_as_fields(ModelConfig, args, pipeline=pipeline,
-                               preset=args.model_preset or pipeline_part(pipeline, "arch").DEFAULT_PRESET),
-        parallel=_named_as_fields(ParallelConfig, args),
-        moe=MoEConfig(dispatcher=args.moe_dispatcher, flex_backend=args.flex_backend,
-                      aux_loss_coeff=args.moe_aux_loss_coeff),
-        recompute=RecomputeConfig(granularity=args.recompute, modules=list(args.recompute_modules or ["core_attn"]),
-                                  num_layers=args.recompute_num_layers),
-        cuda_graph=CudaGraphConfig(scope=list(args.cuda_graph_scope or []), warmup_steps=args.cuda_graph_warmup_steps,
-                                   static_shapes=args.static_shapes),
-        train=_named_as_fields(TrainConfig, args, seq_len=args.seq_len or TrainConfig.seq_len),
-        checkpoint=_named_as_fields(CheckpointingConfig, args),  # trainer.checkpoint.add_long_run_args
-        eval=_named_as_fields(EvalConfig, args),
+        model=section_from_args(ModelConfig, args, pipeline=pipeline,
+                                preset=args.model_preset or pipeline_part(pipeline, "arch").DEFAULT_PRESET),
+        parallel=section_from_args(ParallelConfig, args),
+        moe=section_from_args(MoEConfig, args),
+        recompute=section_from_args(RecomputeConfig, args),
+        cuda_graph=section_from_args(CudaGraphConfig, args),
+        train=section_from_args(TrainConfig, args),
+        checkpoint=section_from_args(CheckpointingConfig, args),
+        eval=section_from_args(EvalConfig, args),
     )
-
-
-def _named_as_fields(section: type, args: argparse.Namespace, **given):
-    """A config section whose flags are named as its fields (``--min-lr`` fills ``min_lr``)."""
-    return section(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section) if f.name not in given},
-                   **given)
