@@ -92,6 +92,10 @@ def for_training(shards=(), **kwargs) -> ServiceConfig:
     return training_config(shards, **kwargs)[0]
 
 
+CPU_RANKS = 2
+"""Trainer ranks ``trainer.run`` starts on a CPU box (data parallel): enough to show DP on two cores."""
+
+
 def default_device() -> Literal["cpu", "gpu"]:
     """'gpu' where torch sees a CUDA GPU (``trainer.run`` then trains on GPUs), else 'cpu'."""
     try:

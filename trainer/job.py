@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from datasvc.config import ServiceConfig
 from datasvc.read.filters import add_filter_flags, filters_from_flags
-from datasvc.training import add_data_flags
+from datasvc.training import CPU_RANKS, add_data_flags
 from datasvc.usage import UserError, positive_int
 from trainer.config import TrainerConfig
 from trainer.lifecycle import Resume, resolve_outputs, resume_from, start_run_control, stop_on_sigterm
@@ -33,7 +33,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
     g.add_argument("--backend", choices=["auto", "megatron", "cpu"], default="auto",
                    help="auto: megatron when the cluster has GPUs, else the CPU development path")
-    g.add_argument("--world-size", type=positive_int, default=None, help="trainer ranks (default: all GPUs; 2 on CPU)")
+    g.add_argument("--world-size", type=positive_int, default=None, help=f"trainer ranks (default: all GPUs; {CPU_RANKS} on CPU)")
     g.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     g.add_argument("--out", default=None, help="directory for metrics.jsonl, summary.json and loss.png (default: "
                    "out/run; under `ray job submit`, ~/vlmfeed-runs/<job>, outside Ray's copy of the package)")
@@ -199,7 +199,7 @@ def connect_cluster(args: argparse.Namespace) -> tuple[int, bool]:
     # Logical CPUs of an embedded cluster: enough for the trainer ranks plus the smallest data pools
     # (they oversubscribe a small dev box, which is what a development run wants).
     actors = args.data_actors[0] + (1 if args.valid_shards else 0)  # the validation stream's one actor a DP rank
-    want_cpus = max(os.cpu_count() or 1, (args.world_size or 2) * (1 + actors * args.decode_threads))
+    want_cpus = max(os.cpu_count() or 1, (args.world_size or CPU_RANKS) * (1 + actors * args.decode_threads))
     connect(args.address, num_cpus=want_cpus)
     loopback = embedded and ray.util.get_node_ip_address() == "127.0.0.1"
     return int(ray.cluster_resources().get("GPU", 0)), loopback
@@ -221,7 +221,7 @@ def trainer_config(args: argparse.Namespace, backend: str, gpus: int) -> tuple[T
     cfg = from_args(args)
     if backend == "cpu":
         cfg.train = cfg.train.for_cpu_development(args._given)
-    world = args.world_size or (gpus if backend == "megatron" else 2)
+    world = args.world_size or (gpus if backend == "megatron" else CPU_RANKS)
     if backend == "megatron":
         if gpus < world:
             raise SystemExit(f"--world-size {world} needs {world} GPUs; the cluster has {gpus}")

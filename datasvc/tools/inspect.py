@@ -1,7 +1,7 @@
 """See what a trainer rank receives: run shards through the training stream and write it all down.
 
     vlmfeed inspect SHARDS... --out DIR [--limit N | --all] [--device cpu|gpu] [--no-pack]
-                    [--seq-len N] [--mbs B] [--dp-size D] [--rank R] [--seed S] [--max-pixels P]
+                    [--seq-len N] [--mbs B] [--dp-size D] [--rank R] [--data-seed S] [--max-pixels P]
                     [--min-pixels P] [--decode cpu|gpu] [--pipeline qwen3vl] [--tokenizer T]
 
 The stream is the one ``trainer.run`` trains from, built by ``datasvc.training.training_config``:
