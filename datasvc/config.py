@@ -215,6 +215,20 @@ class ServiceConfig:
         tunables = ":".join(t for t in (self.actor_malloc_tunables, os.environ.get("GLIBC_TUNABLES", "")) if t)
         return {"GLIBC_TUNABLES": tunables} if tunables else {}
 
+    def model_layout(self):
+        """The model's vision layout and pad id (``datasvc.registry.PipelineLayout``) at this config's
+        pipeline options: what a stage needs of the model without its tokenizer."""
+        from datasvc.registry import get_layout
+
+        return get_layout(self.pipeline, **self.pipeline_options)
+
+    def build_pipeline(self):
+        """The model's ``Pipeline`` (tokenizer, chat format, vision and video specs) at this config's
+        options; each process that tokenizes builds its own."""
+        from datasvc.registry import get_pipeline
+
+        return get_pipeline(self.pipeline, **self.pipeline_options)
+
     def fingerprint(self) -> str:
         """What must match for a saved loader state to be restored exactly: the fields marked ``RESUME``
         (and ``RESUME_IF_SET`` ones that differ from their defaults), each as its ``as`` method gives it."""

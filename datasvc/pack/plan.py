@@ -302,9 +302,8 @@ def sample_token_counts(cfg: ServiceConfig, indexes: list[ShardIndex], limit: in
     run would reject are left out here; the run counts them where it meets them."""
     from datasvc.pack.headers import encode_from_headers
     from datasvc.read.shards import ReadLimits, read_samples
-    from datasvc.registry import get_pipeline
 
-    pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+    pipeline = cfg.build_pipeline()
     where = [(idx.path, s) for idx in indexes for s in idx.samples if not s.problem]
     chosen = np.random.default_rng([cfg.seed, 2]).permutation(len(where))[:limit]
     by_shard: dict[str, list] = {}

@@ -56,9 +56,8 @@ class HeaderProcessor:
     def __init__(self, cfg: ServiceConfig):
         from datasvc.read.filters import SampleRules
         from datasvc.read.shards import ReadLimits
-        from datasvc.registry import get_pipeline
 
-        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+        self.pipeline = cfg.build_pipeline()
         self.limits = ReadLimits.of(cfg)
         self.rules = SampleRules.parse(cfg.filters)
 

@@ -18,7 +18,6 @@ import ray
 
 from datasvc.config import ServiceConfig
 from datasvc.read.shards import expand_shards
-from datasvc.registry import get_layout
 from datasvc.rejects import Accounting
 from datasvc.remainder import TrainedSamples
 from datasvc.service.cluster import head_address, unreachable_head
@@ -48,7 +47,7 @@ class DataClient:
             raise ValueError("output must be 'torch' or 'numpy'")
         self.cfg, self.dp_rank, self.consumer, self.run = cfg, dp_rank, consumer, run
         self.device, self.output, self.pixel_dtype = device, output, pixel_dtype
-        self._spec = get_layout(cfg.pipeline, **cfg.pipeline_options).vision
+        self._spec = cfg.model_layout().vision
         self._next_step = 0
         self._last_pos: dict | None = None
         self._fetched_pos: dict | None = None
@@ -228,7 +227,7 @@ class DataService:
                  nodes: dict[int, str] | None = None):
         expand_shards(list(cfg.shards))  # fail fast, in the driver, when nothing matches
         try:  # fail fast, in the driver, on an unknown pipeline or option
-            get_layout(cfg.pipeline, **cfg.pipeline_options)
+            cfg.model_layout()
         except TypeError as exc:
             raise ValueError(f"pipeline {cfg.pipeline!r} does not take these options: {exc}") from None
         self.cfg = cfg

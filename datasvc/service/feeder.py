@@ -25,7 +25,7 @@ from datasvc.service.locality import NodeShare, near
 from datasvc.stream.balanced import BalancedProducer
 from datasvc.stream.producer import BlockProducer, DataServiceError, EndOfData, check_dataset  # noqa: F401  (errors)
 from datasvc.service.pool import ActorPool
-from datasvc.service.ready import End, ReadyQueue
+from datasvc.service.ready import End, Handout, ReadyQueue
 from datasvc.service.scaling import Autoscaler, ScalePolicy
 from datasvc.stream.loaderstate import LoaderState
 from datasvc.stream.rankstats import RankStats
@@ -91,14 +91,14 @@ class Feeder:
         self._scaler.start()
 
     # ---- consumer side -------------------------------------------------------------------------
-    def next_batch(self, consumer: int, step: int, node: str = "") -> list:
-        """``[ref, position]`` of micro-batch ``step`` (``node``: the consumer's), or ``[End]`` after the last one."""
+    def next_batch(self, consumer: int, step: int, node: str = "") -> Handout | End:
+        """Micro-batch ``step`` (``node``: the consumer's), or ``End`` after the last one."""
         ready = self.ready.take(consumer, step)
         if isinstance(ready, End):
-            return [ready]
+            return ready
         with self._placement_lock:
             self.pool.place.handed(node, ready.nbytes)
-        return [ready.ref, ready.position.as_dict()]
+        return Handout(ready.ref, ready.position)
 
     def stats(self) -> FeederStats:
         """The producer's stats (accounting, stages, tokens) with this feeder's queue and pool."""

@@ -17,6 +17,7 @@ from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
 from datasvc.pack.plan import Position
 from datasvc.service.feeder import DataServiceError, End, feeder_name, start_feeder
+from datasvc.service.ready import Handout
 from datasvc.service.locality import this_node
 from datasvc.stream.loaderstate import LoaderState
 
@@ -43,12 +44,12 @@ class FeederLink:
         died after handing out its ref is lost with it: the feeder restarts at ``resume()`` (the state
         after the last micro-batch fetched) and makes it again."""
         for attempt in range(ATTEMPTS):
-            reply = self._call_next(step, resume)
-            if isinstance(reply[0], End):
-                return reply[0]
+            handout = self._call_next(step, resume)
+            if isinstance(handout, End):
+                return handout
             t0 = time.perf_counter()
             try:
-                return ray.get(reply[0]), reply[1]
+                return ray.get(handout.ref), handout.position.as_dict()
             except ObjectLostError as exc:  # OwnerDiedError among them
                 if self._halted.is_set() or attempt == ATTEMPTS - 1:
                     raise DataServiceError(f"micro-batch {step} of dp_rank {self.dp_rank} was lost: {exc}") from exc
@@ -57,7 +58,7 @@ class FeederLink:
                 self.transfer_s += time.perf_counter() - t0
         raise AssertionError("unreachable")
 
-    def _call_next(self, step: int, resume: Callable[[], LoaderState]) -> list:
+    def _call_next(self, step: int, resume: Callable[[], LoaderState]) -> Handout | End:
         for attempt in range(ATTEMPTS):
             try:
                 self.node = self.node or this_node()

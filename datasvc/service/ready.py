@@ -29,6 +29,15 @@ class End:
     steps: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Handout:
+    """What ``Feeder.next_batch`` hands a consumer: the micro-batch's object ref (a ref inside an object
+    stays a ref, so the consumer reads the arrays from the object store itself) and its position."""
+
+    ref: object
+    position: Position
+
+
 @dataclass(slots=True)
 class ReadyBatch:
     """A micro-batch in the object store (``ref``), held until every consumer of the replica took it."""

@@ -47,8 +47,6 @@ class BalancedProducer:
 
     def __init__(self, cfg: ServiceConfig, rank: int = 0, start: Position | dict | None = None,
                  process=None, *, plan: EpochPlan | None = None):
-        from datasvc.registry import get_layout
-
         if not cfg.balance_dp:
             raise ValueError("BalancedProducer needs ServiceConfig.balance_dp=True")
         self.cfg, self.rank, self.k = cfg, rank, cfg.micro_batches_per_step
@@ -66,7 +64,7 @@ class BalancedProducer:
 
             process = ItemProcessor(cfg)
         self.runner = process if hasattr(process, "submit") else InlineRunner(process)
-        layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
+        layout = cfg.model_layout()
         self.packing = PackingConfig(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, pad_id=layout.pad_id)
         self.spec = layout.vision
         self.where = {f"{idx.path}/{s.key}": (idx.path, i, s) for idx in self.plan.indexes

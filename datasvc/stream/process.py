@@ -265,9 +265,7 @@ class ItemProcessor:
     sample rules of a config. The in-process path (``datasvc.stream.producer``) runs the same object."""
 
     def __init__(self, cfg, device_id: int | None = 0):
-        from datasvc.registry import get_pipeline
-
-        self.pipeline = get_pipeline(cfg.pipeline, **cfg.pipeline_options)
+        self.pipeline = cfg.build_pipeline()
         self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id,
                                     jpeg=cfg.cpu_jpeg_decoder, rank_resize=cfg.resize_on == "rank")
         from datasvc.read.energon import name_datasets

@@ -180,13 +180,11 @@ class BlockProducer:
     def __init__(self, cfg: ServiceConfig, rank: int = 0, start: Position | dict | None = None,
                  process: Callable[[WorkItem], ItemResult] | ItemRunner | None = None, *,
                  plan: EpochPlan | None = None):
-        from datasvc.registry import get_layout
-
         self.cfg, self.rank = cfg, rank
         self.plan = plan if plan is not None else EpochPlan(cfg)
         self.start = (start if isinstance(start, Position) else Position(**start) if start
                       else Position(epoch=self.plan.first_epoch))
-        layout = get_layout(cfg.pipeline, **cfg.pipeline_options)
+        layout = cfg.model_layout()
         self.pad_id, self.spec = layout.pad_id, layout.vision
         if process is None:
             from datasvc.stream.process import ItemProcessor

@@ -12,7 +12,7 @@ from datasvc.media.vision import to_pixel_values
 def batch_tensors(packed: PackedBatch, spec, device: str | None = None, pixel_dtype: str = "float32") -> TrainBatch:
     """The ``TrainBatch`` a rank trains on: torch tensors (pinned and moved to ``device`` when it is
     a GPU) with ``pixel_values`` (and ``pixel_values_videos``) made from the uint8 rows. ``spec``:
-    the pipeline's vision spec, ``datasvc.registry.get_layout(cfg.pipeline, **cfg.pipeline_options).vision``."""
+    the pipeline's vision spec, ``cfg.model_layout().vision``."""
     import torch
 
     cuda = device is not None and str(device).startswith("cuda")

@@ -197,10 +197,9 @@ def measure(cfg, *, samples: int | None = None, seconds: float | None = None, mo
     import ray
     from tqdm import tqdm
 
-    from datasvc.registry import get_layout
     from datasvc.service.client import DataService
 
-    spec = get_layout(cfg.pipeline, **cfg.pipeline_options).vision
+    spec = cfg.model_layout().vision
     run = run or f"profile-{uuid.uuid4().hex[:8]}"
     svc = DataService(cfg, run=run)
     client = svc.client(0, output="numpy")
