@@ -30,7 +30,7 @@ DEVICE_DEFAULTS = {"gpu": DeviceDefaults(seq_len=4096, max_pixels=1024 * 1024),
                    "cpu": DeviceDefaults(seq_len=1024, max_pixels=256 * 256)}
 BLOCK_MICRO_BATCHES = 8
 """Micro-batches a block of work items packs into when blocks are sized from the shards
-(``datasvc.pack.plan.size_blocks``): about half a micro-batch of padding is lost per chain of blocks."""
+(``datasvc.pack.epoch.size_blocks``): about half a micro-batch of padding is lost per chain of blocks."""
 CHAIN_BLOCKS = 4
 """Blocks packed as a chain: a packing simulation of the real-large photos at MBS 8, blocks of 8
 micro-batches, gives rows 0.949 full with 1, 0.972 with 2, 0.982 with 4 and 0.987 with 8; a restore
@@ -68,7 +68,7 @@ def training_config(shards=(), *, device: Literal["cpu", "gpu"] = "cpu", pipelin
     ``items_per_block`` is given (then the sizing is None). ``fields`` set any other
     ``ServiceConfig`` field (``decode``, ``seed``, ``consumers_per_replica``, ``balance_dp``, ...).
     """
-    from datasvc.pack.plan import size_blocks
+    from datasvc.pack.epoch import size_blocks
     from datasvc.samples import default_shards
 
     if device not in DEVICE_DEFAULTS:

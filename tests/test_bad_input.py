@@ -164,7 +164,7 @@ def test_garbage_file_is_one_counted_rejection(tmp_path, qwen3vl, cpu_decoder):
 
 def test_block_sizing_probe_skips_bad_samples_and_never_unpickles(hostile_shard):
     from datasvc.config import ServiceConfig
-    from datasvc.pack.plan import sample_token_counts, size_blocks
+    from datasvc.pack.epoch import sample_token_counts, size_blocks
     from datasvc.read.shards import index_shard
 
     path, canary = hostile_shard

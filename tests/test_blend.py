@@ -112,7 +112,7 @@ def blend_config(spec, **kw):
 
 
 def test_the_epoch_plan_draws_by_the_weights(two_sources):
-    from datasvc.pack.plan import EpochPlan
+    from datasvc.pack.epoch import EpochPlan
 
     spec, root = two_sources
     cfg = blend_config(spec, dp_size=2)
@@ -160,7 +160,7 @@ def test_brace_alternatives_stay_inside_their_part():
 def test_per_source_accounting(two_sources, tmp_path):
     import sys
 
-    from datasvc.pack.plan import EpochPlan
+    from datasvc.pack.epoch import EpochPlan
     from datasvc.read.blend import SourceCounts
     from datasvc.samples import real_photos
     from datasvc.stream.process import ItemProcessor

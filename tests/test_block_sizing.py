@@ -6,7 +6,7 @@ import pytest
 from datasvc.batch import EncodedSample
 from datasvc.config import ServiceConfig
 from datasvc.pack.packing import PackingConfig, pack
-from datasvc.pack.plan import EpochPlan, sample_token_counts, size_blocks
+from datasvc.pack.epoch import EpochPlan, sample_token_counts, size_blocks
 from datasvc.read.shards import expand_shards, index_shard
 
 SEQ = 1024
@@ -72,11 +72,11 @@ def test_padded_rows_size_blocks_by_samples_without_probing(photo_shards):
 
 
 def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch):
-    import datasvc.pack.plan as plan
+    import datasvc.pack.epoch as epoch
 
     indexed = []
-    real_index = plan.index_shard
-    monkeypatch.setattr(plan, "index_shard", lambda p: indexed.append(p) or real_index(p))
+    real_index = epoch.index_shard
+    monkeypatch.setattr(epoch, "index_shard", lambda p: indexed.append(p) or real_index(p))
     a, _ = size_blocks(config(photo_shards, 2), probe_shards=3, probe_samples=12)
     first = list(indexed)
     indexed.clear()
@@ -90,14 +90,14 @@ def test_probe_reads_a_bounded_seeded_subset_of_shards(photo_shards, monkeypatch
 def test_probe_reads_more_small_shards_until_it_has_its_samples(tmp_path, monkeypatch):
     """Four-sample shards: eight of them hold 32 samples, so the probe takes shards until its 64
     are in hand (16 of 24), and no more than ``max_probe_shards``."""
-    import datasvc.pack.plan as plan
+    import datasvc.pack.epoch as epoch
     from datasvc.samples import write_photo_shards
 
     shards = write_photo_shards(str(tmp_path), samples_per_shard=4, copies=4)
     assert len(shards) == 24
     indexed = []
-    real_index = plan.index_shard
-    monkeypatch.setattr(plan, "index_shard", lambda p: indexed.append(p) or real_index(p))
+    real_index = epoch.index_shard
+    monkeypatch.setattr(epoch, "index_shard", lambda p: indexed.append(p) or real_index(p))
     _, sizing = size_blocks(config(shards, 2), probe_samples=64)
     assert len(indexed) == 16 and sizing.probed_samples == 64
     indexed.clear()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from datasvc.config import ServiceConfig
-from datasvc.pack.plan import dataset_fingerprint
+from datasvc.pack.epoch import dataset_fingerprint
 from trainer.checkpoint import commit, iter_name, latest_step, load_cpu, read_saved_run, save_cpu
 from trainer.config import TrainerConfig
 from trainer.lifecycle import resume_from

@@ -145,7 +145,7 @@ def test_unreadable_sample_types_fail_fast(captioning, tmp_path):
 
 def test_an_energon_metadataset_is_a_blend(captioning, vqa, tmp_path):
     from datasvc.config import ServiceConfig
-    from datasvc.pack.plan import EpochPlan
+    from datasvc.pack.epoch import EpochPlan
     from datasvc.read.blend import parse_blend
 
     mix = tmp_path / "mix.yaml"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from datasvc.pack.plan import Position
+from datasvc.pack.epoch import Position
 from datasvc.service.ready import WAKE_S, End, ReadyBatch, ReadyQueue
 from datasvc.service.scaling import Autoscaler, ScaleDecision, ScalePolicy
 

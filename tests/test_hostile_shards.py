@@ -70,7 +70,7 @@ def test_per_sample_exceptions_cost_only_their_sample(exception_shard, qwen3vl, 
 
 def test_block_sizing_and_inspect_survive_the_same_samples(exception_shard, qwen3vl, tmp_path):
     from datasvc.config import ServiceConfig
-    from datasvc.pack.plan import sample_token_counts, size_blocks
+    from datasvc.pack.epoch import sample_token_counts, size_blocks
     from datasvc.tools.inspect import inspect_shards
 
     cfg = ServiceConfig(shards=(exception_shard,), pipeline_options={"max_pixels": 256 * 256}, seq_len=1024)

@@ -213,7 +213,7 @@ def test_blocks_are_sized_and_chained_like_training_by_default(photo_shards):
     """Blocks are sized as trainer.run sizes them, span epochs and pack in chains, unless a fixed
     size is forced. A sized block may hold more than an epoch of a small set; cut at each epoch
     boundary, its rows would stay part empty."""
-    from datasvc.pack.plan import EpochPlan, size_blocks
+    from datasvc.pack.epoch import EpochPlan, size_blocks
     from datasvc.read.shards import index_shard
     from datasvc.registry import pipeline_module
     from datasvc.training import CHAIN_BLOCKS

@@ -74,7 +74,7 @@ def test_the_resume_fingerprint_is_the_fields_marked_for_it():
 
 
 def test_a_loader_state_round_trips_its_checkpoint_form_and_reads_older_ones():
-    from datasvc.pack.plan import Position
+    from datasvc.pack.epoch import Position
     from datasvc.remainder import TrainedSamples
     from datasvc.stream.loaderstate import LoaderState
 
@@ -92,7 +92,7 @@ def test_a_loader_state_round_trips_its_checkpoint_form_and_reads_older_ones():
 
 
 def test_the_state_after_a_micro_batch_resumes_at_the_next_one_and_keeps_recent_epochs():
-    from datasvc.pack.plan import Position
+    from datasvc.pack.epoch import Position
     from datasvc.remainder import KEPT_EPOCHS
     from datasvc.stream.loaderstate import LoaderState
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from datasvc.config import ServiceConfig
-from datasvc.pack.plan import EpochPlan
+from datasvc.pack.epoch import EpochPlan
 from datasvc.pack.sizes import HeaderProcessor, SizesIndex, build_index
 from datasvc.samples import encode_image, real_photos
 from datasvc.stream.balanced import BalancedProducer

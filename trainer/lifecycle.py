@@ -92,7 +92,7 @@ def resume_from(cfg: TrainerConfig, data_cfg: ServiceConfig) -> tuple[ServiceCon
     try:
         remainder = remainder_after(list(saved.loader.values()), saved.remainder)
         data_cfg = dataclasses.replace(data_cfg, remainder=remainder)
-        from datasvc.pack.plan import EpochPlan
+        from datasvc.pack.epoch import EpochPlan
 
         EpochPlan(data_cfg)  # a blend cannot be dealt anew: say so now, not in a feeder
     except ValueError as exc:

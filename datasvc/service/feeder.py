@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 import ray
 
 from datasvc.config import ServiceConfig
-from datasvc.pack.plan import Position
+from datasvc.pack.epoch import Position
 from datasvc.service.locality import NodeShare, near
 from datasvc.stream.balanced import BalancedProducer
 from datasvc.stream.producer import BlockProducer, DataServiceError, EndOfData, check_dataset  # noqa: F401  (errors)

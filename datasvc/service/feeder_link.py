@@ -15,7 +15,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostErro
 
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
-from datasvc.pack.plan import Position
+from datasvc.pack.epoch import Position
 from datasvc.service.feeder import DataServiceError, End, feeder_name, start_feeder
 from datasvc.service.ready import Handout
 from datasvc.service.locality import this_node

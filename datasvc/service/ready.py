@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from datasvc.pack.plan import Position
+from datasvc.pack.epoch import Position
 from datasvc.stats import QueueStats
 
 # Every change notifies the waiters; the timeout only bounds a wait whose wake-up was missed.

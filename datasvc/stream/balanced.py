@@ -32,7 +32,7 @@ from datasvc.batch import EncodedSample, PackedBatch
 from datasvc.config import ServiceConfig
 from datasvc.pack import balance
 from datasvc.pack.packing import PackingConfig, merge
-from datasvc.pack.plan import EpochPlan, Position
+from datasvc.pack.epoch import EpochPlan, Position
 from datasvc.pack.sizes import HeaderProcessor, SizesIndex
 from datasvc.rejects import Accounting
 from datasvc.stats import StageTimes, StreamStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from datasvc.pack.plan import Position
+from datasvc.pack.epoch import Position
 from datasvc.remainder import KEPT_EPOCHS, TrainedSamples
 
 

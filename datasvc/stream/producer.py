@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Protocol
 
 from datasvc.batch import PackedBatch
 from datasvc.config import ServiceConfig
-from datasvc.pack.plan import EpochPlan, Position, dataset_changes, dataset_fingerprint
+from datasvc.pack.epoch import EpochPlan, Position, dataset_changes, dataset_fingerprint
 from datasvc.read.blend import SourceCounts
 from datasvc.read.shards import expand_shards
 from datasvc.rejects import RULE_PREFIX, RULE_REASONS, Accounting

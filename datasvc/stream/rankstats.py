@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from datasvc.pack.plan import Position
+from datasvc.pack.epoch import Position
 from datasvc.read.blend import SourceTotals
 from datasvc.rejects import Accounting
 from datasvc.stats import StageTimes, StreamStats

@@ -52,7 +52,7 @@ BASELINE = "vlmfeed-cpu"
 def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: int = 1, consumers: int = 1):
     """The data service as ``trainer.run`` configures it, at the peers' pixel limits."""
     from datasvc.config import ServiceConfig
-    from datasvc.pack.plan import size_blocks
+    from datasvc.pack.epoch import size_blocks
     from datasvc.training import BLOCK_MICRO_BATCHES, CHAIN_BLOCKS
 
     cfg = ServiceConfig(shards=setting.shards, pipeline=setting.pipeline,

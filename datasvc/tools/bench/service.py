@@ -54,7 +54,7 @@ def run_in_process(cfg) -> dict:
 
 def warm_up(cfg) -> None:
     """One work item through the actors' work (imports, DALI, tokenizer, page cache), untimed."""
-    from datasvc.pack.plan import EpochPlan
+    from datasvc.pack.epoch import EpochPlan
     from datasvc.stream.process import ItemProcessor
 
     ItemProcessor(cfg)(EpochPlan(cfg).items(0, 0)[0])

@@ -18,7 +18,7 @@ def bench_sizing(shards: list[str], probe_samples=(64, 128, 256), seeds: int = 8
     import dataclasses
 
     from datasvc.config import ServiceConfig
-    from datasvc.pack.plan import sample_token_counts, size_blocks
+    from datasvc.pack.epoch import sample_token_counts, size_blocks
     from datasvc.read.shards import expand_shards, index_shard
 
     paths = expand_shards(list(shards))
