@@ -201,17 +201,17 @@ def test_feeders_beside_their_ranks_and_a_lost_node(photo_shards, cluster):
         got = [ray.get(ranks[0].take.remote(2)), ray.get(ranks[1].take.remote(2))]
         stats = svc.stats()
         f0, f1 = (r.placement for r in stats.ranks)
-        assert (f0["node"], f1["node"]) == (ids["n2"], head)
+        assert (f0.node, f1.node) == (ids["n2"], head)
         assert {actor_node(a) for a in ray.get(svc.feeders[0].actor_handles.remote())} == {ids["n2"]}
-        assert f0["bytes_cross_node"] > 0 and f0["batches_cross_node"] >= 2 and f0["bytes_same_node"] == 0
-        assert f1["bytes_cross_node"] == 0 and f1["bytes_same_node"] > 0
-        assert stats.as_dict()["bytes_cross_node"] == f0["bytes_cross_node"]
-        assert f0["node_budget"]["cap"] == 1 == f1["node_budget"]["cap"]  # 1 CPU a node, no GPU
+        assert f0.bytes_cross_node > 0 and f0.batches_cross_node >= 2 and f0.bytes_same_node == 0
+        assert f1.bytes_cross_node == 0 and f1.bytes_same_node > 0
+        assert stats.as_dict()["bytes_cross_node"] == f0.bytes_cross_node
+        assert f0.node_budget.cap == 1 == f1.node_budget.cap  # 1 CPU a node, no GPU
 
         c.remove_node(nodes["n2"], allow_graceful=False)  # feeder 0, its actors and its queued batches
         got[0] += ray.get(ranks[0].take.remote(), timeout=180)
         moved = svc.stats().ranks[0].placement
-        assert moved["node"] == ids["n1"] and moved["bytes_cross_node"] == 0
+        assert moved.node == ids["n1"] and moved.bytes_cross_node == 0
 
         got[1] += ray.get(ranks[1].take.remote(1))
         state = ray.get(ranks[1].save_state.remote())

@@ -141,17 +141,17 @@ def test_autoscaler_grows_when_starved_and_shrinks_when_blocked(photo_shards, se
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         next(c)
-        if any(d["action"] == "up" for d in ray.get(svc.feeders[0].stats.remote()).autoscale_decisions):
+        if any(d.action == "up" for d in ray.get(svc.feeders[0].stats.remote()).autoscale_decisions):
             break
     deadline = time.monotonic() + 30  # stalled consumer: the producer blocks on a full queue
     while time.monotonic() < deadline:
         decisions = ray.get(svc.feeders[0].stats.remote()).autoscale_decisions
-        actions = [d["action"] for d in decisions]
+        actions = [d.action for d in decisions]
         if "up" in actions and "down" in actions[actions.index("up"):]:
             break
         time.sleep(0.5)
     assert "up" in actions and "down" in actions[actions.index("up"):], decisions
-    assert all(d["reason"] for d in decisions)
+    assert all(d.reason for d in decisions)
 
 
 def test_clear_errors(tmp_path, photo_shards, service):

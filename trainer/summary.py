@@ -46,6 +46,6 @@ def summarize(records: list[dict], data_stats, backend: str, world: int, wall_s:
         "exit_reason": records[-1].get("exit_reason") if records else None,
         "peak_mem_gib": rnd(max((r.get("peak_mem_gib") or 0 for r in records), default=None), 2),
         "data_accounting": data.get("accounting", {}),
-        "autoscale_decisions": [d for r in data_stats.ranks for d in r.autoscale_decisions] if data_stats else [],
+        "autoscale_decisions": [d.as_dict() for r in data_stats.ranks for d in r.autoscale_decisions] if data_stats else [],
         "data": data,
     }

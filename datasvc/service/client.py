@@ -213,7 +213,7 @@ class ServiceStats:
 
     def as_dict(self) -> dict:
         totals = self.totals()
-        moved = {k: sum(r.placement[k] for r in self.ranks) for k in ("bytes_same_node", "bytes_cross_node")}
+        moved = {k: sum(getattr(r.placement, k) for r in self.ranks) for k in ("bytes_same_node", "bytes_cross_node")}
         return {"ranks": [r.as_dict() for r in self.ranks],
                 "accounting": {**totals.accounting.as_dict(), "in_flight": totals.in_flight},
                 **({"sources": totals.sources.as_dict()} if totals.sources else {}), **moved}

@@ -21,12 +21,12 @@ import ray
 
 from datasvc.config import ServiceConfig
 from datasvc.pack.epoch import Position
-from datasvc.service.locality import NodeShare, near
+from datasvc.service.locality import NodeShare, Placement, near
 from datasvc.stream.balanced import BalancedProducer
 from datasvc.stream.producer import BlockProducer, DataServiceError, EndOfData, check_dataset  # noqa: F401  (errors)
 from datasvc.service.pool import ActorPool
 from datasvc.service.ready import End, Handout, ReadyQueue
-from datasvc.service.scaling import Autoscaler, ScalePolicy
+from datasvc.service.scaling import Autoscaler, ScalePolicy, ScaleRecord
 from datasvc.stream.loaderstate import LoaderState
 from datasvc.stream.rankstats import RankStats
 
@@ -49,15 +49,17 @@ class FeederStats:
     items_in_flight: int
     consumer_wait_s: float
     producer_blocked_s: float
-    autoscale_decisions: list[dict]
-    placement: dict  # NodeShare.as_dict(): bytes handed out on and off the node, the node's budget
+    autoscale_decisions: list[ScaleRecord]
+    placement: Placement  # bytes handed out on and off the node, the node's budget
     dataset: dict  # the shard files planned over (what a saved state is checked against)
     done: bool
     error: str
 
     def as_dict(self) -> dict:
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stream", "placement")}
-        return {**self.stream.as_dict(), **own, **self.placement}
+        own = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("stream", "placement", "autoscale_decisions")}
+        return {**self.stream.as_dict(), **own, "autoscale_decisions": [d.as_dict() for d in self.autoscale_decisions],
+                **self.placement.as_dict()}
 
 
 # num_cpus=0: it only moves object refs, so it must not take a CPU slot from the preprocessing actors;
@@ -109,8 +111,8 @@ class Feeder:
             actors=self.pool.size, actors_starting=len(self.pool.starting), actors_replaced=self.pool.replaced,
             items_split=self.pool.recovery.splits, items_in_flight=len(self.pool.in_flight),
             consumer_wait_s=round(queue.consumer_wait_s, 3), producer_blocked_s=round(queue.producer_blocked_s, 3),
-            autoscale_decisions=[d.as_dict() for d in list(self.autoscaler.decisions)],
-            placement=self.pool.place.as_dict(), dataset=self.producer.plan.dataset,
+            autoscale_decisions=list(self.autoscaler.decisions),
+            placement=self.pool.place.report(), dataset=self.producer.plan.dataset,
             done=queue.end is not None, error=queue.end.error if queue.end else "")
 
     def actor_handles(self) -> list:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import asdict, dataclass
 
 import ray
 from ray.exceptions import RayActorError
@@ -109,6 +110,29 @@ def budget_name(run: str, node: str) -> str:
     return f"{run}-{BUDGET_PREFIX}-{node}"
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetShare:
+    """A feeder's dealings with its node's actor budget."""
+
+    cap: int  # preprocessing actors the node's budget allows
+    granted: int
+    refused: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a feeder runs and where its micro-batches went (``as_dict``: the JSON form)."""
+
+    node: str
+    bytes_same_node: int
+    bytes_cross_node: int
+    batches_cross_node: int
+    node_budget: BudgetShare
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 class NodeShare:
     """A feeder's place: its node, its share of that node's budget (the budget actor is made by the
     first feeder there), and the bytes it handed to consumers on its node and on other nodes.
@@ -161,10 +185,9 @@ class NodeShare:
         else:
             self.bytes_same_node += nbytes
 
-    def as_dict(self) -> dict:
-        return {"node": self.node, "bytes_same_node": self.bytes_same_node, "bytes_cross_node": self.bytes_cross_node,
-                "batches_cross_node": self.batches_cross_node,
-                "node_budget": {"cap": self.cap, "granted": self.granted, "refused": self.refused}}
+    def report(self) -> Placement:
+        return Placement(self.node, self.bytes_same_node, self.bytes_cross_node, self.batches_cross_node,
+                         BudgetShare(self.cap, self.granted, self.refused))
 
 
 def release_budgets(run: str) -> None:
