@@ -25,6 +25,10 @@ class Pipeline(Protocol):
     video: VideoSpec | None
     """How videos are sampled and cut into patches; None: the pipeline takes no video."""
     pad_id: int
+    image_pad_id: int
+    """The token an image's vision tokens are written as (one per merged patch)."""
+    video_pad_id: int | None
+    """The token of a video's vision tokens; None: the pipeline takes no video."""
 
     def encode(self, raw: RawSample, grids: list[tuple[int, int, int]],
                videos: list[VideoPlan] = ()) -> tuple[np.ndarray, np.ndarray]:

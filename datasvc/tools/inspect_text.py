@@ -29,8 +29,7 @@ class VisionTokenIds:
 
 def vision_token_ids(pipeline) -> VisionTokenIds:
     """The pad ids from the pipeline's own encoder: model facts stay in the model's package."""
-    video = getattr(pipeline, "video_spans", None)
-    return VisionTokenIds(image_pad=pipeline.chat.tokens.image_pad, video_pad=video.video_pad if video else None)
+    return VisionTokenIds(image_pad=pipeline.image_pad_id, video_pad=pipeline.video_pad_id)
 
 
 @dataclass(frozen=True, slots=True)

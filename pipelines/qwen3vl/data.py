@@ -69,6 +69,14 @@ class Qwen3VLPipeline:
         self.video_spans = qwen3vl_video.VideoSpans(self.tokenizer, self.tokens.vision_start, self.tokens.vision_end,
                                                     self.video_pad, MERGE_SIZE)
 
+    @property
+    def image_pad_id(self) -> int:
+        return self.tokens.image_pad
+
+    @property
+    def video_pad_id(self) -> int:
+        return self.video_pad
+
     def encode(self, raw: RawSample, grids: list[tuple[int, int, int]], videos=()) -> tuple[np.ndarray, np.ndarray]:
         """Any accepted sample shape (``datasvc.read.formats``) as Qwen3-VL ChatML. ``videos``: each
         video's ``datasvc.media.video.VideoPlan`` (its grid and group timestamps), in member order."""
