@@ -53,6 +53,23 @@ class Qwen3VLOptions:
     video_max_decode_frame_pixels: int = 400_000_000  # sampled frames x stored pixels, per sample
 
 
+# Qwen3-VL-Instruct's chat template (its chat_template.json; no installed package ships it), for HF's
+# processor where a peer tokenizes, for the shapes our shards hold: no default system turn; per message
+# "<|im_start|>role\n", the content (a string, or its parts: an image part one vision span, a text part
+# its text), "<|im_end|>\n".
+HF_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
 class Qwen3VLPipeline:
     name = "qwen3vl"
     pad_id = TOKENS.pad

@@ -17,21 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from datasvc.batch import IGNORE_INDEX, TrainBatch
-
-# Qwen3-VL-Instruct's chat template (its chat_template.json; no installed package ships it) for the
-# shapes our shards hold: no default system turn; per message "<|im_start|>role\n", the content (a
-# string, or its parts: an image part one vision span, a text part its text), "<|im_end|>\n".
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}"
-    "{%- else -%}{%- for part in message.content -%}"
-    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+from pipelines.qwen3vl.data import HF_CHAT_TEMPLATE
 
 # Megatron-Bridge's Qwen-VL collate passes these pixel limits to the processor unless told otherwise
 # (models/qwen_vl/data/collate_fn.py QWEN_VL_MIN_PIXELS / QWEN_VL_MAX_PIXELS): every peer, vlmfeed
@@ -151,7 +137,7 @@ def build_hf_processor(setting: PeerSetting):
                                   merge_size=v.merge_size)
     tokenizer = AutoTokenizer.from_pretrained(bundled_qwen3_tokenizer_dir())
     return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=video,
-                            chat_template=QWEN3_VL_CHAT_TEMPLATE)
+                            chat_template=HF_CHAT_TEMPLATE)
 
 
 # ------------------------------------------------------------------------------------------------
