@@ -14,21 +14,11 @@ from datasvc.read.shards import RawSample, ReadLimits, index_shard, read_samples
 from datasvc.samples import encode_image, real_photos
 from datasvc.stream.process import process_item
 from datasvc.wire import WorkItem
+from pipelines.qwen3vl.data import HF_CHAT_TEMPLATE
 
-# Qwen3-VL-Instruct's chat template (its chat_template.json, not shipped in any installed package)
-# for what these samples use: no default system turn; per message "<|im_start|>role\n", the content
-# (a string verbatim, or its parts: an image part is one vision span, a text part its text), then
-# "<|im_end|>\n". Qwen3VLProcessor then repeats each <|image_pad|> once per vision token.
-QWEN3_VL_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}"
-    "{%- else -%}{%- for part in message.content -%}"
-    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}")
+# Qwen3-VL-Instruct's chat template, as the model's package keeps it; Qwen3VLProcessor then repeats each
+# <|image_pad|> once per vision token.
+QWEN3_VL_TEMPLATE = HF_CHAT_TEMPLATE
 VS, VE, PAD = 151652, 151653, 151655
 
 

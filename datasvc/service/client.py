@@ -53,7 +53,7 @@ class DataClient:
         self._fetched_pos: dict | None = None
         self._ahead: Prefetcher | None = None
         self._halt = threading.Event()  # closed: nothing fetched, no feeder restarted
-        self._link = FeederLink(cfg, run, dp_rank, consumer, self._halt)
+        self._link = FeederLink(cfg, run, dp_rank, consumer, self._halt, started=bool(start))
         self._dataset: dict | None = None  # the shard files the feeder planned over, for saved states
         self._head = head_address()  # noted now: once the head is lost Ray may no longer say it
         self.trained = TrainedSamples()  # every sample of the micro-batches returned, by epoch
@@ -62,7 +62,6 @@ class DataClient:
         self.delivered = 0
         if start:
             self._take_up(start if isinstance(start, LoaderState) else LoaderState.from_dict(start))
-            self._link.reached = True  # the service started this rank's feeder there
 
     # ---- iterator ---------------------------------------------------------------------------
     def __iter__(self):

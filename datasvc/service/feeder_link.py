@@ -28,11 +28,13 @@ class FeederLink:
     """Calls to the feeder of (``run``, ``dp_rank``) as consumer ``consumer``. ``halted``, once set,
     means the feeder is meant to be gone: a failed call then raises instead of restarting it."""
 
-    def __init__(self, cfg: ServiceConfig, run: str, dp_rank: int, consumer: int, halted: threading.Event):
+    def __init__(self, cfg: ServiceConfig, run: str, dp_rank: int, consumer: int, halted: threading.Event,
+                 started: bool = False):
+        """``started``: the service started this rank's feeder for this client (at a restored state)."""
         self.cfg, self.run, self.dp_rank, self.consumer = cfg, run, dp_rank, consumer
         self._halted = halted
         self._owned = None  # a feeder this link started: it lives as long as the handle
-        self.reached = False  # a feeder answered, or was started for this client: a missing one has died
+        self._reached = started  # a feeder answered, or was started for this client: a missing one has died
         self.node: str | None = None  # told to the feeder, which counts the bytes that cross nodes
         self.transfer_s = 0.0
 
@@ -63,12 +65,12 @@ class FeederLink:
             try:
                 self.node = self.node or this_node()
                 reply = ray.get(self.feeder().next_batch.remote(self.consumer, step, self.node))
-                self.reached = True
+                self._reached = True
                 return reply
             except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
                 if self._halted.is_set():  # the service was shut down: the feeder is meant to be gone
                     raise DataServiceError(f"client of dp_rank {self.dp_rank} was halted") from exc
-                if isinstance(exc, ValueError) and not self.reached and self._owned is None:
+                if isinstance(exc, ValueError) and not self._reached and self._owned is None:
                     raise DataServiceError(no_feeder(self.run, self.dp_rank)) from None  # never had one
                 if attempt == ATTEMPTS - 1:
                     raise DataServiceError(f"feeder of dp_rank {self.dp_rank} is gone and could not be "
