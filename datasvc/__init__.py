@@ -26,6 +26,10 @@ import importlib
 
 _EXPORTS = {
     "ServiceConfig": "datasvc.config",
+    "DecodeConfig": "datasvc.config",
+    "PoolConfig": "datasvc.config",
+    "BudgetConfig": "datasvc.config",
+    "BalanceConfig": "datasvc.config",
     "for_training": "datasvc.training",
     "training_config": "datasvc.training",
     "DataService": "datasvc.service.client",

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
-from datasvc.config import ServiceConfig
+from datasvc.config import DecodeConfig, ServiceConfig
 from datasvc.usage import positive_float, positive_int
 
 
@@ -66,7 +66,8 @@ def training_config(shards=(), *, device: Literal["cpu", "gpu"] = "cpu", pipelin
     Streams forever, blocks span epochs and pack in chains of ``CHAIN_BLOCKS``; blocks are sized
     from the shards to pack into about ``block_micro_batches`` micro-batches unless
     ``items_per_block`` is given (then the sizing is None). ``fields`` set any other
-    ``ServiceConfig`` field (``decode``, ``seed``, ``consumers_per_replica``, ``balance_dp``, ...).
+    ``ServiceConfig`` field or section (``seed``, ``consumers_per_replica``, ``decode=DecodeConfig(...)``,
+    ``pool=PoolConfig(...)``, ``balance=BalanceConfig(...)``, ...).
     """
     from datasvc.pack.epoch import size_blocks
     from datasvc.samples import default_shards
@@ -118,16 +119,16 @@ DATA_FLAGS: dict[str, dict] = {
                          help=f"per-image pixel cap (default: {_GPU.max_pixels:,} on GPU, {_CPU.max_pixels:,} on CPU)"),
     "--min-pixels": dict(type=positive_int, default=None,
                          help="per-image pixel floor (default: the pipeline's, lowered to the cap where the cap is below it)"),
-    "--decode": dict(choices=("cpu", "gpu"), default="cpu",
+    "--decode": dict(choices=("cpu", "gpu"), default=DecodeConfig.device,
                      help="where the preprocessing actors decode images (gpu: DALI's hardware JPEG decoder)"),
-    "--cpu-jpeg-decoder": dict(choices=("dali", "libjpeg-turbo"), default=ServiceConfig.cpu_jpeg_decoder,
+    "--cpu-jpeg-decoder": dict(choices=("dali", "libjpeg-turbo"), default=DecodeConfig.cpu_jpeg_decoder,
                                help="with --decode cpu: libjpeg-turbo decodes JPEGs at a reduced DCT scale (faster "
                                     "on photos well above the pixel cap)"),
     "--video-fps": dict(type=positive_float, default=None,
                         help="frames sampled a second of video (default: the pipeline's, 2)"),
     "--video-max-pixels": dict(type=positive_int, default=None,
                                help="cap on frames x height x width of one video (default: the pipeline's)"),
-    "--decode-threads": dict(type=positive_int, default=ServiceConfig.decode_threads,
+    "--decode-threads": dict(type=positive_int, default=DecodeConfig.threads,
                              help="decode threads (CPUs) per preprocessing actor"),
     "--data-seed": dict(type=int, default=ServiceConfig.seed,
                         help="the data seed: the order of work items and of the samples in them"),

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from datasvc.config import BalanceConfig, PoolConfig
 from datasvc.pack import balance
 from datasvc.pack.balance import CostModel, MicroBatchShape
 
@@ -288,8 +289,8 @@ def stream_config(shards, **kw):
     from datasvc.config import ServiceConfig
 
     base = dict(shards=tuple(shards), seq_len=1024, micro_batch_size=1, samples_per_item=4, items_per_block=3,
-                pipeline_options={"max_pixels": 512 * 512}, epochs=1, dp_size=2, balance_dp=True,
-                micro_batches_per_step=2)
+                pipeline_options={"max_pixels": 512 * 512}, epochs=1, dp_size=2,
+                balance=BalanceConfig(enabled=True, micro_batches_per_step=2))
     base.update(kw)
     return ServiceConfig(**base)
 
@@ -330,7 +331,7 @@ def test_balanced_streams_of_all_ranks_are_disjoint_and_fill_every_step(mixed_sh
 def unbalanced_config(cfg):
     import dataclasses
 
-    return dataclasses.replace(cfg, balance_dp=False, micro_batches_per_step=1)
+    return dataclasses.replace(cfg, balance=BalanceConfig())
 
 
 def test_balanced_stream_resumes_exactly_and_reports_its_straggler_ratio(mixed_shards):
@@ -349,7 +350,7 @@ def test_balanced_stream_resumes_exactly_and_reports_its_straggler_ratio(mixed_s
 
 def test_balance_dp_without_a_step_size_fails_fast(mixed_shards):
     with pytest.raises(ValueError, match="micro_batches_per_step"):
-        stream_config(mixed_shards, micro_batches_per_step=1)
+        stream_config(mixed_shards, balance=BalanceConfig(enabled=True, micro_batches_per_step=1))
 
 
 def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_local):
@@ -365,7 +366,7 @@ def test_balanced_service_on_ray_matches_the_plan_and_resumes(mixed_shards, ray_
     import dataclasses
     import threading
 
-    cfg = stream_config(mixed_shards, max_actors=1, autoscale_interval_s=60.0)
+    cfg = stream_config(mixed_shards, pool=PoolConfig(max_actors=1, autoscale_interval_s=60.0))
     expected = {r: [b.sample_keys for b, _ in BalancedProducer(cfg, r).micro_batches()] for r in range(2)}
 
     def drain(client):

@@ -177,6 +177,6 @@ def test_a_stamped_result_records_the_defaults_it_holds_for():
     held = rep["defaults"]
     assert held["training_geometry"]["devices"]["gpu"] == {"seq_len": DEVICE_DEFAULTS["gpu"].seq_len,
                                                           "max_pixels": DEVICE_DEFAULTS["gpu"].max_pixels}
-    assert held["service"]["decode"] == "cpu" and held["service"]["resize_on"] == "rank"
+    assert held["service"]["decode"]["device"] == "cpu" and held["service"]["decode"]["resize_on"] == "rank"
     assert held["trainer"]["train"]["mbs"] == 1 and held["trainer"]["parallel"]["strategy"] in ("fsdp", "3d")
     assert "defaults" in stamp({}, "q", "c") and "trainer" not in stamp({}, "q", "c")["defaults"]

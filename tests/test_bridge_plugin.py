@@ -47,7 +47,7 @@ def test_geometry_comes_from_the_container(mb, photo_shards):
     feed = provider.feed_from_vlmfeed(c, photo_shards, world_size=16, items_per_block=2)
     d = feed.data_cfg
     assert (d.seq_len, d.micro_batch_size, d.dp_size, d.consumers_per_replica) == (2048, 2, 4, 4)
-    assert d.micro_batches_per_step == 2 and d.pack and d.epochs is None  # for_training's stream
+    assert d.balance.micro_batches_per_step == 2 and d.pack and d.epochs is None  # for_training's stream
     assert type(c.dataset).__name__ == "VlmfeedDataProvider" and c.dataset.dataloader_type == "external"
     assert c.model.calculate_per_token_loss and not c.ddp.average_in_collective
     assert c.model.variable_seq_lengths  # PP stages exchange the flat THD stream's shape
@@ -70,13 +70,14 @@ def test_rank_zero_owns_the_service_and_bridge_gets_the_stream(mb, photo_shards,
     import torch.distributed as dist
     from megatron.bridge.data.utils import get_dataset_provider
 
+    from datasvc.config import PoolConfig
     from datasvc.service.feeder import feeder_name
 
     _, provider, _ = mb
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     c = small_container(mb, mbs=2, gbs=2)
     feed = provider.feed_from_vlmfeed(c, photo_shards, world_size=1, run="plugin-test", max_pixels=64 * 64,
-                                      min_actors=1, max_actors=1)
+                                      pool=PoolConfig(min_actors=1, max_actors=1))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         train_ds, valid_ds, _ = get_dataset_provider(c.dataset)([2, 0, 0], c.dataset)
@@ -116,7 +117,7 @@ BUILD_RECIPE = textwrap.dedent("""
         "pretrained": cfg.checkpoint.pretrained_checkpoint, "gbs": cfg.train.global_batch_size,
         "model_seq": m.seq_length, "model_mbs": cfg.train.micro_batch_size, "dataset_seq": cfg.dataset.seq_length,
         "data_seq": d.seq_len, "data_mbs": d.micro_batch_size, "data_dp": d.dp_size,
-        "per_step": d.micro_batches_per_step,
+        "per_step": d.balance.micro_batches_per_step,
         "dims": [m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
                  m.kv_channels, m.vision_config.depth, m.vision_config.out_hidden_size]}))
 """)

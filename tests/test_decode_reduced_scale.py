@@ -199,7 +199,7 @@ def test_bad_option_is_refused():
 
 
 def test_the_option_reaches_the_actors_from_the_config(photo_shards):
-    from datasvc.config import ServiceConfig
+    from datasvc.config import DecodeConfig, ServiceConfig
     from datasvc.read.shards import index_shard
     from datasvc.stream.process import ItemProcessor
     from datasvc.wire import WorkItem
@@ -208,7 +208,7 @@ def test_the_option_reaches_the_actors_from_the_config(photo_shards):
     item = WorkItem(idx.path, 0, tuple(idx.samples))
     out = {}
     for jpeg in ("dali", "libjpeg-turbo"):
-        proc = ItemProcessor(ServiceConfig(shards=(photo_shards[0],), cpu_jpeg_decoder=jpeg,
+        proc = ItemProcessor(ServiceConfig(shards=(photo_shards[0],), decode=DecodeConfig(cpu_jpeg_decoder=jpeg),
                                            pipeline_options={"max_pixels": 256 * 256}), device_id=None)
         assert proc.decoder.jpeg == jpeg
         out[jpeg] = {s.key: s for s in proc(item).samples}
@@ -218,4 +218,4 @@ def test_the_option_reaches_the_actors_from_the_config(photo_shards):
         assert np.array_equal(s.input_ids, t.input_ids) and np.array_equal(s.image_grid_thw, t.image_grid_thw)
         assert np.abs(s.pixels.astype(np.float32) - t.pixels).mean() / 255 < MAX_MAD
     with pytest.raises(ValueError, match="cpu_jpeg_decoder='turbo': use 'dali' or 'libjpeg-turbo'"):
-        ServiceConfig(shards=(photo_shards[0],), cpu_jpeg_decoder="turbo")
+        ServiceConfig(shards=(photo_shards[0],), decode=DecodeConfig(cpu_jpeg_decoder="turbo"))

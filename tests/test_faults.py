@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import ray
 
-from datasvc.config import ServiceConfig
+from datasvc.config import DecodeConfig, PoolConfig, ServiceConfig
 from datasvc.read.shards import index_shard
 from datasvc.service.client import DataService
 from datasvc.service.feeder import EndOfData
@@ -21,9 +21,14 @@ SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
 
 def cfg(shards, **kw):
     base = dict(shards=tuple(shards), seq_len=256, micro_batch_size=1, samples_per_item=4, items_per_block=2,
-                pipeline_options=SMALL, epochs=1, autoscale_interval_s=60.0, max_batches_ahead=2)
+                pipeline_options=SMALL, epochs=1, pool=actors())
     base.update(kw)
     return ServiceConfig(**base)
+
+
+def actors(**kw) -> PoolConfig:
+    """The preprocessing actors, not autoscaled during a test, two micro-batches ahead."""
+    return PoolConfig(**{"autoscale_interval_s": 60.0, "max_batches_ahead": 2, **kw})
 
 
 def expected(shards):
@@ -134,7 +139,8 @@ def test_actor_the_cluster_cannot_place_holds_no_work(photo_shards, ray_local):
         time.sleep(0.5)
     free = int(ray.available_resources().get("CPU", 0))
     assert free >= 1, "an earlier test left no CPU free"
-    svc = DataService(cfg(photo_shards, min_actors=2, max_actors=2, decode_threads=free), run=f"p{uuid.uuid4().hex[:6]}")
+    svc = DataService(cfg(photo_shards, pool=actors(min_actors=2, max_actors=2), decode=DecodeConfig(threads=free)),
+                      run=f"p{uuid.uuid4().hex[:6]}")
     try:
         c = svc.client(0, output="numpy")
         got = drain(c)
@@ -151,8 +157,8 @@ def test_an_item_its_actor_finished_before_dying_keeps_its_result(photo_shards, 
 
     idx = index_shard(photo_shards[0])
     first, killer = (WorkItem(idx.path, i, (idx.samples[i],)) for i in (0, 1))
-    pool = ActorPool(cfg(photo_shards, min_actors=1, max_actors=1,
-                     actor_hook=faults(kill_on_key=f"{idx.path}/{idx.samples[1].key}")), rank=0)
+    pool = ActorPool(cfg(photo_shards, pool=actors(min_actors=1, max_actors=1,
+                     actor_hook=faults(kill_on_key=f"{idx.path}/{idx.samples[1].key}"))), rank=0)
     try:
         deadline = time.monotonic() + 120
         while not pool.has_room() and time.monotonic() < deadline:
@@ -179,7 +185,7 @@ def test_items_redone_alone_run_on_an_idle_actor_with_nothing_behind_them(photo_
     from datasvc.wire import WorkItem
 
     idx = index_shard(photo_shards[0])
-    pool = ActorPool(cfg(photo_shards, min_actors=1, max_actors=1), rank=0)
+    pool = ActorPool(cfg(photo_shards, pool=actors(min_actors=1, max_actors=1)), rank=0)
     try:
         deadline = time.monotonic() + 120
         while not pool.has_room() and time.monotonic() < deadline:
@@ -217,7 +223,7 @@ def test_actors_that_cannot_start_fail_fast_with_the_cause(photo_shards, ray_loc
         def _new(self):
             return _CannotStart.remote(self.cfg)
 
-    pool = Pool(cfg(photo_shards, min_actors=2, max_actors=2), rank=0)
+    pool = Pool(cfg(photo_shards, pool=actors(min_actors=2, max_actors=2)), rank=0)
     deadline = time.monotonic() + 120
     with pytest.raises(DataServiceError, match="vlmfeed_missing_dependency") as err:
         while time.monotonic() < deadline:
@@ -235,7 +241,7 @@ def test_shutdown_leaves_no_feeder_behind(photo_shards, ray_local):
 
     run = f"z{uuid.uuid4().hex[:6]}"
     # Streams forever with room to prefetch, so the client's thread is inside a next_batch call.
-    svc = DataService(cfg(photo_shards, epochs=None, prefetch=8, max_batches_ahead=8), run=run)
+    svc = DataService(cfg(photo_shards, epochs=None, prefetch=8, pool=actors(max_batches_ahead=8)), run=run)
     c = svc.client(0, output="numpy")
     next(c)
     time.sleep(1.0)

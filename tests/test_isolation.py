@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from PIL import Image
 
-from datasvc.config import ServiceConfig
+from datasvc.config import BudgetConfig, PoolConfig, ServiceConfig
 from datasvc.read.shards import index_shard
 from datasvc.samples import encode_image, real_photos
 from datasvc.service.client import DataService
@@ -27,9 +27,15 @@ MiB = 1 << 20
 
 def cfg(shards, **kw):
     base = dict(shards=tuple(shards), seq_len=512, micro_batch_size=1, samples_per_item=4, items_per_block=2,
-                pipeline_options=SMALL, epochs=1, autoscale_interval_s=60.0, min_actors=1, max_actors=1)
+                pipeline_options=SMALL, epochs=1,
+                pool=PoolConfig(autoscale_interval_s=60.0, min_actors=1, max_actors=1))
     base.update(kw)
     return ServiceConfig(**base)
+
+
+def hooked(hook) -> PoolConfig:
+    """One actor that runs ``hook`` with every work item."""
+    return PoolConfig(autoscale_interval_s=60.0, min_actors=1, max_actors=1, actor_hook=hook)
 
 
 def big_png(side: int, seed: int) -> bytes:
@@ -135,23 +141,23 @@ def test_failure_budget_stops_the_run_naming_the_top_reasons(tmp_path, photos):
     shard = write_shard(tmp_path / "mostly-bad.tar", good[:1] + bad + good[1:])
     in_a_row = r"5 samples in a row were rejected \(max_consecutive_rejections=5\); top reasons: undecodable_image x6"
     with pytest.raises(DataServiceError, match=in_a_row):
-        list(BlockProducer(cfg([shard], max_consecutive_rejections=5)).micro_batches())
+        list(BlockProducer(cfg([shard], budget=BudgetConfig(max_consecutive_rejections=5))).micro_batches())
     with pytest.raises(DataServiceError, match=r"6 of 8 samples read \(75.0%\).*max_rejection_rate=0.5"):
-        list(BlockProducer(cfg([shard], rejection_rate_min_samples=8)).micro_batches())
+        list(BlockProducer(cfg([shard], budget=BudgetConfig(rejection_rate_min_samples=8))).micro_batches())
     # The defaults are generous: this shard streams, its bad samples counted.
     producer = BlockProducer(cfg([shard]))
     delivered = sum(len(b.sample_keys) for b, _ in producer.micro_batches())
     acct = producer.stats().accounting
     assert delivered == 2 and acct.quarantined == {"undecodable_image": 6} and balanced(acct)
     with pytest.raises(ValueError, match="max_rejection_rate must be in"):
-        cfg([shard], max_rejection_rate=0)
+        cfg([shard], budget=BudgetConfig(max_rejection_rate=0))
 
 
 # ---- on a real cluster ---------------------------------------------------------------------------
 def test_an_item_that_raises_is_redone_sample_by_sample(tmp_path, photos, ray_local):
     shard = write_shard(tmp_path / "s.tar", [(f"k{i}", [photos[i % len(photos)]]) for i in range(8)])
     victim = f"{shard}/k2"
-    got, stats = run(cfg([shard], actor_hook=faults(raise_on_key=victim)))
+    got, stats = run(cfg([shard], pool=hooked(faults(raise_on_key=victim))))
     assert got == Counter({f"{shard}/k{i}": 1 for i in range(8) if i != 2})
     assert rejected(stats) == {"k2": "worker_error"}
     assert "injected failure" in stats.ranks[0].stream.accounting.log[0].detail
@@ -166,7 +172,7 @@ def test_samples_that_kill_their_actor_are_quarantined_and_the_stream_goes_on(tm
     samples[5] = ("k5", [big_png(4000, s) for s in range(4)])  # 4 x 48 MB decoded: ~240 MiB at 4-6 bytes a pixel
     shard = write_shard(tmp_path / "s.tar", samples)
     hook = faults(kill_on_key=f"{shard}/k1", rss_headroom_bytes=150 * MiB)
-    got, stats = run(cfg([shard], samples_per_item=2, actor_hook=hook))
+    got, stats = run(cfg([shard], samples_per_item=2, pool=hooked(hook)))
     assert got == Counter({f"{shard}/k{i}": 1 for i in range(8) if i not in (1, 5)})
     assert rejected(stats) == {"k1": "worker_died", "k5": "worker_died"}
     assert balanced(stats.accounting)
@@ -180,8 +186,8 @@ def test_decoding_stays_under_the_budget_within_a_real_memory_limit(tmp_path, ph
     samples = [(f"big{i}", [big_png(4000, i)]) for i in range(4)]  # ~100 MiB each to decode and resize
     samples += [("huge", [big_png(4000, s) for s in range(3)]), ("small", [photos[0]])]
     shard = write_shard(tmp_path / "s.tar", samples)
-    limited = dict(samples_per_item=6, items_per_block=1, actor_hook=faults(rss_headroom_bytes=300 * MiB))
-    got, stats = run(cfg([shard], decoded_bytes_budget=200 * MiB, **limited))
+    limited = dict(samples_per_item=6, items_per_block=1, pool=hooked(faults(rss_headroom_bytes=300 * MiB)))
+    got, stats = run(cfg([shard], budget=BudgetConfig(decoded_bytes_budget=200 * MiB), **limited))
     assert got == Counter({f"{shard}/{k}": 1 for k in ("big0", "big1", "big2", "big3", "small")})
     assert rejected(stats) == {"huge": "sample_too_large"}
     assert "> decoded_bytes_budget 200 MiB" in stats.ranks[0].stream.accounting.log[0].detail

@@ -18,14 +18,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = r"""
 import json, os, sys, uuid
 import psutil, ray
-from datasvc.config import ServiceConfig
+from datasvc.config import PoolConfig, ServiceConfig
 from datasvc.service.client import DataService
 from datasvc.service.cluster import connect
 
 shards, temp = sys.argv[1:-1], sys.argv[-1]
 connect(num_cpus=2, object_store_memory=200 * 2**20, temp_dir=temp)
 cfg = ServiceConfig(shards=tuple(shards), seq_len=256, samples_per_item=4, items_per_block=2, epochs=None,
-                    pipeline_options={"min_pixels": 32 * 32, "max_pixels": 128 * 128}, max_actors=1)
+                    pipeline_options={"min_pixels": 32 * 32, "max_pixels": 128 * 128}, pool=PoolConfig(max_actors=1))
 svc = DataService(cfg, run=f"l{uuid.uuid4().hex[:6]}")
 client = svc.client(0, output="numpy")
 batches = sum(1 for _ in zip(range(4), client))

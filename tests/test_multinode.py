@@ -25,7 +25,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from datasvc.config import ServiceConfig
+from datasvc.config import PoolConfig, ServiceConfig
 from datasvc.read.shards import index_shard
 from datasvc.service.client import DataClient, DataService
 from datasvc.service.feeder import EndOfData
@@ -41,8 +41,8 @@ NODE = {"object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
 
 def cfg(shards, **kw):
     base = dict(shards=tuple(shards), seq_len=128, micro_batch_size=1, samples_per_item=4, items_per_block=2,
-                pipeline_options=SMALL, epochs=2, dp_size=2, min_actors=1, max_actors=1,
-                autoscale_interval_s=60.0, max_batches_ahead=2, prefetch=1)
+                pipeline_options=SMALL, epochs=2, dp_size=2, prefetch=1,
+                pool=PoolConfig(min_actors=1, max_actors=1, autoscale_interval_s=60.0, max_batches_ahead=2))
     base.update(kw)
     return ServiceConfig(**base)
 
@@ -273,11 +273,13 @@ def test_unreachable_head_tells_a_listening_gcs_from_a_closed_port(monkeypatch):
 HEAD_LOSS_DRIVER = textwrap.dedent("""
     import json, os, sys, time
     import ray
-    from datasvc.config import ServiceConfig
+    from datasvc.config import PoolConfig, ServiceConfig
     from datasvc.service.client import DataService
     address, cfg_json, out = sys.argv[1:4]
     ray.init(address=address)
-    config = ServiceConfig(**json.loads(cfg_json))
+    fields = json.loads(cfg_json)
+    pool = PoolConfig(**fields.pop("pool"))
+    config = ServiceConfig(**fields, pool=pool)
     svc = DataService(config, run="headloss")
     client = svc.client(0, output="numpy")
     got = [list(next(client).sample_keys) for _ in range(3)]
@@ -301,8 +303,8 @@ def test_head_loss_is_a_clear_error_and_a_new_cluster_resumes(photo_shards, temp
     a new cluster resumes from the state the driver saved, and the stream continues exactly."""
     config = cfg(photo_shards, dp_size=1, epochs=1)
     fields = dict(shards=list(config.shards), seq_len=128, micro_batch_size=1, samples_per_item=4, items_per_block=2,
-                  pipeline_options=SMALL, epochs=1, dp_size=1, max_actors=1, autoscale_interval_s=60.0,
-                  max_batches_ahead=2, prefetch=1)
+                  pipeline_options=SMALL, epochs=1, dp_size=1, prefetch=1,
+                  pool=dict(max_actors=1, autoscale_interval_s=60.0, max_batches_ahead=2))
     ref = [keys for _, keys in reference(config, 0)]
     out = os.path.join(temp_dir, "driver.json")
     c = start_head(**NODE, num_cpus=1, temp_dir=temp_dir, _system_config=FAST_DEATH)

@@ -5,6 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from datasvc.config import BalanceConfig
 from datasvc.remainder import TrainedSamples, remainder_after
 from test_service import config, drain, expected_keys, service  # noqa: F401  (the service fixture)
 
@@ -31,7 +32,7 @@ def test_resume_at_another_dp_size_trains_each_remaining_sample_once(photo_shard
     base = dict(epochs=1, seed=11, micro_batch_size=1, samples_per_item=2, items_per_block=2, blocks_span_epochs=True,
                 chain_blocks=2)
     if balance:
-        base.update(balance_dp=True, micro_batches_per_step=2)
+        base.update(balance=BalanceConfig(enabled=True, micro_batches_per_step=2))
     cfg = config(photo_shards, dp_size=before, **base)
     svc = service(cfg)
     trained, states = _consume(svc, before, 3)
@@ -57,7 +58,7 @@ def test_the_resume_fingerprint_is_the_fields_marked_for_it():
     checkpoint of an earlier release holds is unchanged (states saved then still restore)."""
     import dataclasses
 
-    from datasvc.config import ServiceConfig
+    from datasvc.config import BalanceConfig, BudgetConfig, DecodeConfig, PoolConfig, ServiceConfig
 
     base = ServiceConfig(shards=("a.tar",))
     assert base.fingerprint() == "1d661681dfc65cc8"
@@ -68,8 +69,12 @@ def test_the_resume_fingerprint_is_the_fields_marked_for_it():
     for name, value in changed.items():
         assert dataclasses.replace(base, **{name: value}).fingerprint() != base.fingerprint(), name
     marked = {f.name for f in dataclasses.fields(ServiceConfig) if f.metadata.get("resume")}
-    assert marked == set(changed) | {"pipeline", "blend", "balance_dp"}
-    for name, value in {"max_actors": 8, "prefetch": 4, "decode": "gpu", "replan_on_dataset_change": True}.items():
+    assert marked == set(changed) | {"pipeline", "blend", "balance"}
+    on = BalanceConfig(enabled=True, micro_batches_per_step=2)
+    assert dataclasses.replace(base, balance=on).fingerprint() != base.fingerprint()
+    for name, value in {"pool": PoolConfig(max_actors=8), "prefetch": 4, "decode": DecodeConfig(device="gpu"),
+                        "replan_on_dataset_change": True, "budget": BudgetConfig(max_text_bytes=1024),
+                        "balance": BalanceConfig(sizes_index="index")}.items():
         assert dataclasses.replace(base, **{name: value}).fingerprint() == base.fingerprint(), name
 
 

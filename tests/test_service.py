@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from datasvc.config import ServiceConfig
+from datasvc.config import PoolConfig, ServiceConfig
 from datasvc.read.shards import NoShardsError
 from datasvc.service.client import DataService
 from datasvc.service.feeder import DataServiceError, EndOfData
@@ -18,9 +18,14 @@ SMALL = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
 
 def config(shards, **kw):
     base = dict(shards=tuple(shards), seq_len=256, micro_batch_size=1, samples_per_item=4, items_per_block=2,
-                pipeline_options=SMALL, epochs=1, autoscale_interval_s=60.0)
+                pipeline_options=SMALL, epochs=1, pool=actors())
     base.update(kw)
     return ServiceConfig(**base)
+
+
+def actors(**kw) -> PoolConfig:
+    """The preprocessing actors, not autoscaled during a test unless it says so."""
+    return PoolConfig(**{"autoscale_interval_s": 60.0, **kw})
 
 
 def expected_keys(shards):
@@ -99,7 +104,7 @@ def test_deterministic_and_exact_resume(photo_shards, service):
 
 
 def test_killed_preprocessing_actor_loses_nothing(photo_shards, service):
-    cfg = config(photo_shards, epochs=1, max_batches_ahead=2)
+    cfg = config(photo_shards, epochs=1, pool=actors(max_batches_ahead=2))
     svc = service(cfg)
     c = svc.client(0, output="numpy")
     batches = [next(c) for _ in range(3)]
@@ -116,7 +121,7 @@ def test_killed_preprocessing_actor_loses_nothing(photo_shards, service):
 
 
 def test_stalled_consumer_keeps_memory_bounded(photo_shards, service):
-    cfg = config(photo_shards, epochs=None, max_batches_ahead=2, max_bytes_ahead=1 << 20)
+    cfg = config(photo_shards, epochs=None, pool=actors(max_batches_ahead=2, max_bytes_ahead=1 << 20))
     svc = service(cfg)
     c = svc.client(0, output="numpy")
     next(c)
@@ -134,8 +139,8 @@ def test_stalled_consumer_keeps_memory_bounded(photo_shards, service):
 
 
 def test_autoscaler_grows_when_starved_and_shrinks_when_blocked(photo_shards, service):
-    cfg = config(photo_shards, epochs=None, min_actors=1, max_actors=2, autoscale_interval_s=0.5,
-                 max_batches_ahead=1, pipeline_options={"max_pixels": 1024 * 1024}, samples_per_item=2)
+    cfg = config(photo_shards, epochs=None, pool=actors(min_actors=1, max_actors=2, autoscale_interval_s=0.5, max_batches_ahead=1),
+                 pipeline_options={"max_pixels": 1024 * 1024}, samples_per_item=2)
     svc = service(cfg)
     c = svc.client(0, output="numpy")
     deadline = time.monotonic() + 60
@@ -162,7 +167,7 @@ def test_clear_errors(tmp_path, photo_shards, service):
     with pytest.raises(ValueError, match="does not take these options.*max_pixel"):
         service(config(photo_shards, pipeline_options={"max_pixel": 4096}))
     with pytest.raises(ValueError, match="min_actors"):
-        config(photo_shards, min_actors=3, max_actors=2)
+        config(photo_shards, pool=actors(min_actors=3, max_actors=2))
 
     import tarfile, io
     bad = str(tmp_path / "allbad.tar")

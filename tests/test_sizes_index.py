@@ -35,7 +35,7 @@ def same(a, b):
 
 def test_the_plan_from_the_index_is_the_plan_from_headers(mixed_shards, tmp_path, monkeypatch):
     plain = stream_config(mixed_shards)
-    indexed = dataclasses.replace(plain, sizes_index=str(tmp_path / "sizes"))
+    indexed = dataclasses.replace(plain, balance=dataclasses.replace(plain.balance, sizes_index=str(tmp_path / "sizes")))
     first = BalancedProducer(indexed, 0)
     same([(b.sample_keys, b.tokens.copy(), b.image_grid_thw.copy(), p) for b, p in first.micro_batches()],
          stream(plain, 0))
@@ -115,7 +115,8 @@ def test_vlmfeed_sizes_fills_the_index_a_balanced_job_reads(mixed_shards, tmp_pa
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout)
     assert again["built"] == 0 and again["already_there"] == len(mixed_shards)
     monkeypatch.setattr("datasvc.pack.headers.encode_from_headers", lambda *a, **k: pytest.fail("header read"))
-    cfg = dataclasses.replace(stream_config(mixed_shards), sizes_index=str(out))
+    plain = stream_config(mixed_shards)
+    cfg = dataclasses.replace(plain, balance=dataclasses.replace(plain.balance, sizes_index=str(out)))
     producer = BalancedProducer(cfg, 0)
     assert len(list(producer.micro_batches())) > 0
     assert (producer.stats().balance.sizes_built, producer.stats().balance.sizes_loaded) == (0, len(mixed_shards))

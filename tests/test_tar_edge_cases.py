@@ -82,11 +82,11 @@ def test_an_item_is_read_in_parts_under_the_encoded_budget(tmp_path, photo, qwen
 
 
 def test_the_encoded_budget_is_a_checked_setting():
-    from datasvc.config import InvalidConfig, ServiceConfig
+    from datasvc.config import BudgetConfig, InvalidConfig, ServiceConfig
 
-    assert ServiceConfig(shards=("a.tar",)).encoded_bytes_budget == 512 * MiB
+    assert ServiceConfig(shards=("a.tar",)).budget.encoded_bytes_budget == 512 * MiB
     with pytest.raises(InvalidConfig, match="encoded_bytes_budget must be >= 1 MiB"):
-        ServiceConfig(shards=("a.tar",), encoded_bytes_budget=1000)
+        ServiceConfig(shards=("a.tar",), budget=BudgetConfig(encoded_bytes_budget=1000))
 
 
 @pytest.mark.parametrize("size", ["-1", "99999999999", "12abc"])

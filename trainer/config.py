@@ -21,7 +21,7 @@ from datasvc.training import DEVICE_DEFAULTS, add_data_flags, micro_batches_per_
 from datasvc.usage import UserError, positive_float, positive_int
 from datasvc.registry import pipeline_part
 from trainer.checkpoint import CheckpointingConfig, EvalConfig
-from trainer.flags import add_section_flags, flag, section_from_args
+from trainer.flags import add_section_flags, flag, flag_name, section_from_args
 from trainer.config_checks import problems_of
 
 
@@ -140,8 +140,9 @@ class TrainConfig:
     def for_cpu_development(self, given: set[str]) -> "TrainConfig":
         """These settings on the CPU development path (``CPU_DEVELOPMENT``), but for the fields whose
         flags are in ``given`` (the user's own win)."""
+        flags = {f.name: flag_name(f) for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{name: value for name, value in CPU_DEVELOPMENT.items()
-                                            if "--" + name.replace("_", "-") not in given})
+                                            if flags[name] not in given})
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from datasvc.config import ServiceConfig
+from datasvc.config import BalanceConfig, DecodeConfig, PoolConfig, ServiceConfig
 from datasvc.read.filters import add_filter_flags, filters_from_flags
 from datasvc.training import CPU_RANKS, add_data_flags
 from datasvc.usage import UserError, positive_int
@@ -55,7 +55,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                         "ahead; feeders add what is missing)")
     add_data_flags(g, "--decode", "--max-pixels", "--min-pixels")
     add_data_flags(g, "--decode-threads", "--cpu-jpeg-decoder")
-    g.add_argument("--resize-on", choices=["rank", "actor"], default=ServiceConfig.resize_on,
+    g.add_argument("--resize-on", choices=["rank", "actor"], default=DecodeConfig.resize_on,
                    help="with --decode cpu: where an image's last resize runs; rank: on the trainer's GPU "
                         "with HF's own resize, sparing the preprocessing actors nearly half their CPU time")
     g.add_argument("--data-actors", type=positive_int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
@@ -138,8 +138,8 @@ def build_job(args: argparse.Namespace) -> Job:
     if args.valid_shards:
         # Small items, so that a small validation set still gives every DP rank some.
         valid_cfg = dataclasses.replace(data_cfg, shards=tuple(args.valid_shards), blend="", remainder=None,
-                                        balance_dp=False, sizes_index="", min_actors=1, max_actors=1,
-                                        samples_per_item=min(4, data_cfg.samples_per_item))
+                                        balance=BalanceConfig(), samples_per_item=min(4, data_cfg.samples_per_item),
+                                        pool=dataclasses.replace(data_cfg.pool, min_actors=1, max_actors=1))
     os.makedirs(args.out, exist_ok=True)
     metrics = os.path.abspath(os.path.join(args.out, "metrics.jsonl"))
     for name in ("metrics.jsonl", "samples.jsonl"):
@@ -307,11 +307,11 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
         block_micro_batches=args.block_micro_batches, items_per_block=args.items_per_block,
         blend=args.blend, filters=filters_from_flags(args), pack=not cfg.train.padded,
         consumers_per_replica=layout0.model_parallel, chain_blocks=args.chain_blocks, seed=args.data_seed,
-        decode=args.decode, decode_threads=args.decode_threads, decode_gpu_share=decode_share,
-        cpu_jpeg_decoder=args.cpu_jpeg_decoder, resize_on=args.resize_on,
-        min_actors=args.data_actors[0], max_actors=args.data_actors[1], balance_dp=args.balance_dp,
-        balance_cost=balance_cost(cfg) if args.balance_dp else {}, sizes_index=args.sizes_index,
-        micro_batches_per_step=cfg.train.grad_accum(layout0.dp_size))
+        decode=DecodeConfig(device=args.decode, threads=args.decode_threads, gpu_share=decode_share,
+                            cpu_jpeg_decoder=args.cpu_jpeg_decoder, resize_on=args.resize_on),
+        pool=PoolConfig(min_actors=args.data_actors[0], max_actors=args.data_actors[1]),
+        balance=BalanceConfig(enabled=args.balance_dp, cost=balance_cost(cfg) if args.balance_dp else {},
+                              sizes_index=args.sizes_index, micro_batches_per_step=cfg.train.grad_accum(layout0.dp_size)))
     if sizing is not None:
         log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
                  data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)

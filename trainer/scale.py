@@ -100,7 +100,7 @@ def layout_that_fits(preset: str, gpus: int, mbs: int, seq_len: int, gpu_memory_
 
 def scale_rows(profile: dict, gpu_counts=(8, 64, 512), gpus_per_node: int = 8, cores_per_node: int = 112,
                peak_tflops: float = 989.0, mfu: float = 0.4, gpu_memory_gib: float = 141.0) -> list[dict]:
-    from datasvc.config import ServiceConfig
+    from datasvc.config import PoolConfig, ServiceConfig
     from datasvc.registry import get_layout, pipeline_module
     from trainer.plan.planner import describe
 
@@ -126,8 +126,7 @@ def scale_rows(profile: dict, gpu_counts=(8, 64, 512), gpus_per_node: int = 8, c
                 replicas = max(1.0, gpus_per_node / per_replica) if gpus >= gpus_per_node else dp
                 cores = replicas * mb_s * m.samples_per_mb * m.core_s_per_sample
                 spare = cores_per_node - min(gpus, gpus_per_node)
-                ahead = ServiceConfig.__dataclass_fields__
-                resident = ahead["max_batches_ahead"].default + ahead["prefetch"].default
+                resident = PoolConfig.max_batches_ahead + ServiceConfig.prefetch
                 rows.append({**row, "layout": short_layout(cfg), "job": describe(cfg, gpus), "dp": dp,
                              "mb_per_s_per_rank": mb_s, "tflop_per_mb": flops / 1e12, "cores_per_node": cores,
                              "actors_per_node": max(math.ceil(cores), math.ceil(replicas)), "bytes_per_mb": nbytes,

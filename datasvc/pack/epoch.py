@@ -46,7 +46,7 @@ class EpochPlan:
 
         self.cfg = cfg
         if indexes is None:  # with a sizes index, the shards' tar listings are kept beside it
-            indexes = index_shards(expand_shards(list(cfg.shards)), cfg.sizes_index)
+            indexes = index_shards(expand_shards(list(cfg.shards)), cfg.balance.sizes_index)
         self.indexes = indexes
         self._items: list[WorkItem] = []
         ordinal = 0  # a sample's place in the plan: what a record of trained samples names it by

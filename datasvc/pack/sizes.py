@@ -37,8 +37,8 @@ FORMAT = 1
 
 def settings_digest(cfg: ServiceConfig) -> str:
     """What a sample's planned size depends on besides its bytes."""
-    settings = [FORMAT, cfg.pipeline, sorted(cfg.pipeline_options.items()), cfg.max_images_per_sample,
-                cfg.max_text_bytes, list(cfg.filters)]
+    settings = [FORMAT, cfg.pipeline, sorted(cfg.pipeline_options.items()), cfg.budget.max_images_per_sample,
+                cfg.budget.max_text_bytes, list(cfg.filters)]
     return hashlib.sha1(json.dumps(settings, default=str).encode()).hexdigest()[:16]
 
 

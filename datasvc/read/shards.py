@@ -262,13 +262,13 @@ class ReadLimits:
     max_image_bytes: int = 64 * 1024 * 1024
     max_sample_bytes: int = 512 << 20
     """Encoded bytes of one sample's members (images, videos, text), from its tar headers: a sample
-    over it is ``sample_too_large`` before a byte is read (``ServiceConfig.encoded_bytes_budget``)."""
+    over it is ``sample_too_large`` before a byte is read (``BudgetConfig.encoded_bytes_budget``)."""
 
     @classmethod
     def of(cls, cfg) -> "ReadLimits":
         """The limits a ``ServiceConfig`` sets, so every reader of its shards refuses the same samples."""
-        return cls(max_images_per_sample=cfg.max_images_per_sample, max_text_bytes=cfg.max_text_bytes,
-                   max_sample_bytes=cfg.encoded_bytes_budget)
+        return cls(max_images_per_sample=cfg.budget.max_images_per_sample, max_text_bytes=cfg.budget.max_text_bytes,
+                   max_sample_bytes=cfg.budget.encoded_bytes_budget)
 
 
 class _Rejected(Exception):

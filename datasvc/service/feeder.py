@@ -76,13 +76,13 @@ class Feeder:
         self.pool = ActorPool(cfg, rank, NodeShare(run, rank, cfg))  # its actors beside it, within the node's budget
         try:
             # balance_dp: this feeder plans every rank's micro-batches and decodes only its share.
-            self.producer = (BalancedProducer if cfg.balance_dp else BlockProducer)(cfg, rank, start, self.pool)
+            self.producer = (BalancedProducer if cfg.balance.enabled else BlockProducer)(cfg, rank, start, self.pool)
         except BaseException:
             self.pool.shutdown()
             raise
         self.start = self.producer.start
-        self.ready = ReadyQueue(cfg.max_batches_ahead, cfg.max_bytes_ahead, cfg.consumers_per_replica)
-        self.autoscaler = Autoscaler(ScalePolicy(cfg.min_actors, cfg.max_actors))
+        self.ready = ReadyQueue(cfg.pool.max_batches_ahead, cfg.pool.max_bytes_ahead, cfg.consumers_per_replica)
+        self.autoscaler = Autoscaler(ScalePolicy(cfg.pool.min_actors, cfg.pool.max_actors))
         # The consumers of a replica take a step at once, and the placement counters are plain ints.
         self._placement_lock = threading.Lock()
         self._stopping = threading.Event()  # wakes the autoscaler at once on shutdown
@@ -147,7 +147,7 @@ class Feeder:
                 last_log = time.monotonic()
                 self._log_progress()
             t0 = time.monotonic()
-            if self._stopping.wait(self.cfg.autoscale_interval_s):
+            if self._stopping.wait(self.cfg.pool.autoscale_interval_s):
                 return
             waited, blocked = self.ready.waited_total(), self.ready.blocked_total()
             with self.pool.lock:

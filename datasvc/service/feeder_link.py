@@ -37,8 +37,15 @@ class FeederLink:
         self._reached = started  # a feeder answered, or was started for this client: a missing one has died
         self.node: str | None = None  # told to the feeder, which counts the bytes that cross nodes
         self.transfer_s = 0.0
+        self._handle = None
 
     def feeder(self):
+        """The feeder's handle: looked up by name once, and again after a call to it failed."""
+        if self._handle is None:
+            self._handle = self._lookup()
+        return self._handle
+
+    def _lookup(self):
         return ray.get_actor(feeder_name(self.run, self.dp_rank))
 
     def fetch(self, step: int, resume: Callable[[], LoaderState]) -> tuple[PackedBatch, dict] | End:
@@ -68,6 +75,7 @@ class FeederLink:
                 self._reached = True
                 return reply
             except (ActorDiedError, ActorUnavailableError, RayActorError, ValueError) as exc:
+                stale, self._handle = self._handle, None
                 if self._halted.is_set():  # the service was shut down: the feeder is meant to be gone
                     raise DataServiceError(f"client of dp_rank {self.dp_rank} was halted") from exc
                 if isinstance(exc, ValueError) and not self._reached and self._owned is None:
@@ -75,18 +83,28 @@ class FeederLink:
                 if attempt == ATTEMPTS - 1:
                     raise DataServiceError(f"feeder of dp_rank {self.dp_rank} is gone and could not be "
                                            f"restarted: {exc}") from exc
-                self.reopen(resume())
+                if not self._replaced(stale):  # else another consumer of the replica restarted it already
+                    self.reopen(resume())
         raise AssertionError("unreachable")
+
+    def _replaced(self, stale) -> bool:
+        """Whether the feeder's name now belongs to another actor than ``stale`` (a handle that failed)."""
+        try:
+            return stale is not None and self._lookup()._actor_id != stale._actor_id
+        except ValueError:
+            return False
 
     def dataset(self) -> dict | None:
         """The shard files the feeder planned over; None when the feeder is gone."""
         try:
             return ray.get(self.feeder().stats.remote(), timeout=60).dataset
         except (RayActorError, ValueError, ray.exceptions.GetTimeoutError):
+            self._handle = None
             return None
 
     def reopen(self, state: LoaderState) -> None:
         """Consumer 0 of a replica restarts the feeder at ``state``; the others wait for it."""
+        self._handle = None
         if self.consumer == 0:
             self._restart(state)
         else:
@@ -94,11 +112,11 @@ class FeederLink:
 
     def _restart(self, state: LoaderState) -> None:
         try:
-            ray.kill(self.feeder())
+            ray.kill(self._lookup())
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # the name frees once the actor is gone
                 try:
-                    self.feeder()
+                    self._lookup()
                     time.sleep(0.1)
                 except ValueError:
                     break
@@ -106,13 +124,13 @@ class FeederLink:
             pass
         # Non-detached actors die with their last handle: this link owns the new feeder. It goes on
         # this process's node (the old one's node may be the one that was lost).
-        self._owned = start_feeder(self.cfg, self.run, self.dp_rank, state, node=this_node())
+        self._owned = self._handle = start_feeder(self.cfg, self.run, self.dp_rank, state, node=this_node())
 
     def _await(self, start: Position) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if ray.get(self.feeder().stats.remote()).stream.start == start:
+                if ray.get(self._lookup().stats.remote()).stream.start == start:
                     return
             except (ValueError, RayActorError):
                 pass

@@ -143,9 +143,9 @@ class NodeShare:
     """
 
     def __init__(self, run: str, rank: int, cfg):
-        self.run, self.rank, self.floor = run, rank, cfg.min_actors
+        self.run, self.rank, self.floor = run, rank, cfg.pool.min_actors
         self.node = this_node()
-        self.cap = node_actor_cap(self.node, cfg.decode_threads, cfg.node_data_cpus)
+        self.cap = node_actor_cap(self.node, cfg.decode.threads, cfg.pool.node_data_cpus)
         self.granted = self.refused = 0
         self.bytes_same_node = self.bytes_cross_node = self.batches_cross_node = 0
         self.actor = None

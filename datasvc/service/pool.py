@@ -26,7 +26,7 @@ class PreprocessActor:
 
     def __init__(self, cfg: ServiceConfig, device_id: int = 0):
         self.processor = ItemProcessor(cfg, device_id)
-        self.hook = actor_hook(cfg.actor_hook)
+        self.hook = actor_hook(cfg.pool.actor_hook)
 
     def process(self, item: WorkItem) -> ItemResult:
         if self.hook is not None:
@@ -38,7 +38,7 @@ class PreprocessActor:
 
 
 def actor_hook(spec: tuple):
-    """The callable ``ServiceConfig.actor_hook`` names, built (None without one)."""
+    """The callable ``PoolConfig.actor_hook`` names, built (None without one)."""
     if not spec:
         return None
     import importlib
@@ -92,7 +92,7 @@ class ActorPool:
         self.replaced = 0
         self.start_failures = 0
         self._warned: set = set()
-        for _ in range(cfg.min_actors):
+        for _ in range(cfg.pool.min_actors):
             self.grow()
 
     @property
@@ -100,11 +100,11 @@ class ActorPool:
         return len(self.actors) + len(self.starting)
 
     def _new(self):
-        opts = {"num_cpus": self.cfg.decode_threads}  # one CPU slot per decode thread: Ray packs actors by real load
-        if env := self.cfg.actor_env():  # read by glibc when the process starts: set per actor, not later
+        opts = {"num_cpus": self.cfg.decode.threads}  # one CPU slot per decode thread: Ray packs actors by real load
+        if env := self.cfg.pool.actor_env():  # read by glibc when the process starts: set per actor, not later
             opts["runtime_env"] = {"env_vars": env}
-        if self.cfg.decode == "gpu":  # a fraction: the actor shares its node's GPU with the trainer rank
-            opts["num_gpus"] = self.cfg.decode_gpu_share
+        if self.cfg.decode.device == "gpu":  # a fraction: the actor shares its node's GPU with the trainer rank
+            opts["num_gpus"] = self.cfg.decode.gpu_share
         return PreprocessActor.options(**opts, **near(getattr(self.place, "node", None))).remote(self.cfg)
 
     def grow(self) -> None:
@@ -145,7 +145,7 @@ class ActorPool:
                 self._warned.add(ref)
                 log.warning("rank %d: a preprocessing actor has waited %.0fs to be placed: the cluster has "
                             "no free CPUs for it (needs %d); lower max_actors or add CPUs", self.rank,
-                            time.monotonic() - since, self.cfg.decode_threads)
+                            time.monotonic() - since, self.cfg.decode.threads)
 
     def load(self, actor) -> int:
         return sum(1 for _, a in self.in_flight.values() if a is actor)

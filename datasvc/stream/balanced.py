@@ -1,4 +1,4 @@
-"""A DP rank's vision-balanced stream (``ServiceConfig.balance_dp``), with no Ray and no coordinator.
+"""A DP rank's vision-balanced stream (``BalanceConfig``), with no Ray and no coordinator.
 
 Every feeder plans every rank's micro-batches, then trains only its share:
 
@@ -16,7 +16,7 @@ A sample whose pixels fail to decode after its header passed leaves its row one 
 (counted as a rejection); the deal stands. The stream ends at the last step every rank can fill.
 Resume: a ``Position``'s ``step`` (micro-batches delivered) says where; the plan is replayed from
 the start from headers (no decode), which costs header reads of every rank's data up to there.
-Both costs fall to one header read per shard per job with ``ServiceConfig.sizes_index``
+Both costs fall to one header read per shard per job with ``BalanceConfig.sizes_index``
 (``datasvc.pack.sizes``): the plan then reads each shard's sizes from a shared directory.
 """
 from __future__ import annotations
@@ -47,17 +47,17 @@ class BalancedProducer:
 
     def __init__(self, cfg: ServiceConfig, rank: int = 0, start: Position | dict | None = None,
                  process=None, *, plan: EpochPlan | None = None):
-        if not cfg.balance_dp:
-            raise ValueError("BalancedProducer needs ServiceConfig.balance_dp=True")
-        self.cfg, self.rank, self.k = cfg, rank, cfg.micro_batches_per_step
+        if not cfg.balance.enabled:
+            raise ValueError("BalancedProducer needs ServiceConfig.balance.enabled")
+        self.cfg, self.rank, self.k = cfg, rank, cfg.balance.micro_batches_per_step
         self.plan = plan if plan is not None else EpochPlan(cfg)
         self.start = (start if isinstance(start, Position) else Position(**start) if start
                       else Position(epoch=self.plan.first_epoch))
-        self.model = balance.cost_model(cfg.pipeline, **cfg.balance_cost)
+        self.model = balance.cost_model(cfg.pipeline, **cfg.balance.cost)
         header = HeaderProcessor(cfg)
-        if cfg.sizes_index:
-            header = SizesIndex(cfg, cfg.sizes_index, self.plan.indexes, header)
-        self.sizes = header if cfg.sizes_index else None
+        if cfg.balance.sizes_index:
+            header = SizesIndex(cfg, cfg.balance.sizes_index, self.plan.indexes, header)
+        self.sizes = header if cfg.balance.sizes_index else None
         self.planners = [BlockProducer(cfg, r, None, header, plan=self.plan) for r in range(cfg.dp_size)]
         if process is None:
             from datasvc.stream.process import ItemProcessor

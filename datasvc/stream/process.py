@@ -1,4 +1,5 @@
-"""The per-sample stages, run on one work item: read -> decode -> preprocess -> tokenize.
+"""The per-sample stages, run on one work item (``ItemStages``): read -> check -> probe -> decode
+images -> decode videos -> tokenize.
 
 Each stage is timed on its own (``datasvc.stats.StageTimes``) so the profiler can name the
 bottleneck. Every sample read ends as an ``EncodedSample`` or as a counted rejection in
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -52,78 +54,171 @@ def encoded_parts(samples: tuple[SampleIndex, ...], budget: int) -> list[tuple[i
     return ranges
 
 
+@dataclass
+class ItemWork:
+    """One work item's samples as they pass the stages. Each stage fills its own field and records in
+    ``problems[si]`` why sample ``si`` will not be delivered: (reason, detail, stage)."""
+
+    item: WorkItem
+    raws: list = field(default_factory=list)
+    problems: list[tuple | None] = field(default_factory=list)
+    jobs: dict[int, list[DecodeJob]] = field(default_factory=dict)
+    """Sample index -> its images' decode jobs, from their headers."""
+    decoded: dict[int, list] = field(default_factory=lambda: defaultdict(list))
+    """Sample index -> (pixel rows, grid) of each image."""
+    videos: dict = field(default_factory=dict)
+    """Sample index -> (pixel rows, plan) of each video."""
+    encoded: dict[int, tuple] = field(default_factory=dict)
+    """Sample index -> (input_ids, labels)."""
+    tokenize_s: float = 0.0
+    acct: Accounting = field(default_factory=Accounting)
+    times: StageTimes = field(default_factory=StageTimes)
+
+
+class ItemStages:
+    """The per-sample stages of one work item, in order (``STAGES``): ``read`` (the tar members under
+    the read limits), ``check`` (text present, the user's rules, before any pixel is decoded),
+    ``probe`` (image headers: the pixel cap and the aspect rule), ``decode_images`` (in parts under
+    the decoded-bytes budget), ``decode_videos``, ``tokenize`` (the pipeline's chat format). Each
+    takes the item's ``ItemWork``; ``result`` makes the delivered samples and counts the rest."""
+
+    STAGES = ("read", "check", "probe", "decode_images", "decode_videos", "tokenize")
+
+    def __init__(self, pipeline: Pipeline, decoder: Decoder, limits: ReadLimits = ReadLimits(),
+                 rules: SampleRules | None = None, budget: int | None = None, video_decoder=None):
+        self.pipeline, self.spec, self.decoder = pipeline, pipeline.vision, decoder
+        self.limits, self.rules, self.budget = limits, rules, budget
+        self.video_decoder = video_decoder or _cpu_video_decoder
+
+    def __call__(self, item: WorkItem) -> ItemResult:
+        """Encoded bytes are held to ``limits.max_sample_bytes``, from the tar headers before anything
+        is read: the item runs the stages in parts under it."""
+        ranges = encoded_parts(item.samples, self.limits.max_sample_bytes)
+        if len(ranges) == 1:
+            return self.run(item)
+        return merge_results(item, [self.run(WorkItem(item.shard, item.first + lo, item.samples[lo:hi]))
+                                    for lo, hi in ranges])
+
+    def run(self, item: WorkItem) -> ItemResult:
+        work = ItemWork(item)
+        for stage in self.STAGES:
+            getattr(self, stage)(work)
+        return self.result(work)
+
+    def read(self, w: ItemWork) -> None:
+        ignored: dict = {}
+        t0 = time.perf_counter()
+        w.raws = list(read_samples(w.item.shard, list(w.item.samples), self.limits, ignored))
+        w.times.add("read", time.perf_counter() - t0, len(w.raws))
+        w.acct.read += len(w.raws)
+        w.acct.count_read(ignored)
+        w.problems = [(raw.problem, raw.detail, "read") if raw.problem else None for raw in w.raws]
+
+    def check(self, w: ItemWork) -> None:
+        for si, raw in enumerate(w.raws):
+            if w.problems[si] is None and raw.text is None and raw.conversation is None:
+                w.problems[si] = ("missing_text", why_no_text(raw), "read")
+            elif w.problems[si] is None and self.rules and (broken := self.rules.check(raw)):
+                w.problems[si] = (broken, "", "read")
+
+    def probe(self, w: ItemWork) -> None:
+        """Each live sample's decode jobs from its image headers; a rejected header rejects the sample."""
+        t0 = time.perf_counter()
+        for si, raw in enumerate(w.raws):
+            if w.problems[si] is not None:
+                continue
+            mine = []
+            for _ext, data in raw.images:
+                try:
+                    mine.append(decode_job(data, self.spec))
+                except ImageRejected as exc:  # the header, or its aspect ratio (target_size)
+                    w.problems[si] = (exc.reason, exc.detail, "decode")
+                    break
+            else:
+                w.jobs[si] = mine
+        w.times.add("decode", time.perf_counter() - t0, 0)
+
+    def decode_images(self, w: ItemWork) -> None:
+        """Decoded bytes are held to ``budget`` (``BudgetConfig.decoded_bytes_budget``): the samples
+        decode in parts that fit it, and a sample that alone does not is rejected ``sample_too_large``."""
+        for part in _budget_parts(w.jobs, w.problems, self.budget):
+            self._decode_part(part, w)
+
+    def _decode_part(self, part: list[int], w: ItemWork) -> None:
+        flat = [(si, job) for si in part for job in w.jobs[si]]
+        if not flat:
+            return
+        try:
+            rows = self.decoder.to_pixel_rows([job for _, job in flat], self.spec, w.times.add)
+        except Exception as exc:  # the decoder failed as a whole: isolate the samples that make it fail
+            if len(part) == 1:
+                w.problems[part[0]] = ("decode_error", f"{type(exc).__name__}: {exc}"[:200], "decode")
+                return
+            for si in part:
+                self._decode_part([si], w)
+            return
+        for (si, job), res in zip(flat, rows):
+            if w.problems[si] is not None:
+                continue
+            if isinstance(res, ImageRejected):
+                w.problems[si] = (res.reason, res.detail, "decode")
+                w.decoded.pop(si, None)
+            else:
+                w.decoded[si].append((res, job.grid(self.spec)))
+
+    def decode_videos(self, w: ItemWork) -> None:
+        w.videos = decode_sample_videos(w.raws, w.problems, self.spec, self.pipeline.video, self.video_decoder,
+                                        w.times.add)
+
+    def tokenize(self, w: ItemWork) -> None:
+        """The pipeline's tokens and labels of each live sample; a sample it refuses costs only itself."""
+        t0 = time.perf_counter()
+        for si, raw in enumerate(w.raws):
+            if w.problems[si] is not None:
+                continue
+            grids = [g for _, g in w.decoded.get(si, [])]
+            plans = [plan for _, plan in w.videos.get(si, [])]
+            try:
+                w.encoded[si] = self.pipeline.encode(raw, grids, plans)
+            except SampleRejected as exc:
+                w.problems[si] = (exc.reason, exc.detail, "tokenize")
+            except Exception as exc:  # a tokenizer or template failure costs this sample only
+                w.problems[si] = ("encode_error", f"{type(exc).__name__}: {exc}"[:200], "tokenize")
+        w.tokenize_s = time.perf_counter() - t0
+
+    def result(self, w: ItemWork) -> ItemResult:
+        """Each sample delivered as an ``EncodedSample`` or counted as rejected, under its stage."""
+        t0 = time.perf_counter()
+        samples: list[EncodedSample] = []
+        n_images, mp, spec = 0, 0.0, self.spec
+        for si, raw in enumerate(w.raws):
+            if w.problems[si] is not None:
+                reason, detail, stage = w.problems[si]
+                w.acct.reject(raw.shard, raw.key, reason, detail)
+                w.times.fail(stage)
+                continue
+            parts = w.decoded.get(si, [])
+            grids = [g for _, g in parts]
+            input_ids, labels = w.encoded[si]
+            blocks, frames = image_blocks([p for p, _ in parts], grids, spec)
+            sample = EncodedSample(raw.key, raw.shard, input_ids, labels, blocks,
+                                   np.asarray(grids, dtype=np.int64).reshape(-1, 3), image_frame_hw=frames)
+            if videos := w.videos.get(si):
+                sample.video_pixels = np.concatenate([rows for rows, _ in videos])
+                sample.video_grid_thw = np.asarray([plan.grid for _, plan in videos], dtype=np.int64)
+            samples.append(sample)
+            n_images += len(parts)
+            mp += sum(h * wd for _, h, wd in grids) * spec.patch_size**2 / 1e6
+        w.times.add("tokenize", w.tokenize_s + time.perf_counter() - t0, len(samples))
+        return ItemResult(w.item.item_id, samples, w.acct, w.times, n_images, mp)
+
+
 def process_item(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: ReadLimits = ReadLimits(),
                  rules: SampleRules | None = None, budget: int | None = None, video_decoder=None) -> ItemResult:
-    """``rules``: the user's filters, checked before any pixel is decoded. ``budget``: decoded bytes
-    held at once (``ServiceConfig.decoded_bytes_budget``); the item decodes in parts that fit it, and
-    a sample that alone does not is rejected ``sample_too_large``. Encoded bytes are held to
-    ``limits.max_sample_bytes`` the same way, from the tar headers before anything is read: the item
-    is read, decoded and encoded in parts under it. ``video_decoder()``: the
-    ``datasvc.media.video.VideoDecoder`` for samples with videos (CPU DALI when not given)."""
-    ranges = encoded_parts(item.samples, limits.max_sample_bytes)
-    if len(ranges) == 1:
-        return _process_part(item, pipeline, decoder, limits, rules, budget, video_decoder)
-    return merge_results(item, [_process_part(WorkItem(item.shard, item.first + lo, item.samples[lo:hi]), pipeline,
-                                              decoder, limits, rules, budget, video_decoder) for lo, hi in ranges])
-
-
-def _process_part(item: WorkItem, pipeline: Pipeline, decoder: Decoder, limits: ReadLimits,
-                  rules: SampleRules | None, budget: int | None, video_decoder) -> ItemResult:
-    acct = Accounting()
-    times = StageTimes()
-    spec = pipeline.vision
-    ignored: dict = {}
-
-    t0 = time.perf_counter()
-    raws = list(read_samples(item.shard, list(item.samples), limits, ignored))
-    times.add("read", time.perf_counter() - t0, len(raws))
-    acct.read += len(raws)
-    acct.count_read(ignored)
-
-    # problems[si]: (reason, detail, stage) of a sample that will not be delivered
-    problems: list[tuple | None] = [(raw.problem, raw.detail, "read") if raw.problem else None for raw in raws]
-    for si, raw in enumerate(raws):
-        if problems[si] is None and raw.text is None and raw.conversation is None:
-            problems[si] = ("missing_text", why_no_text(raw), "read")
-        elif problems[si] is None and rules and (broken := rules.check(raw)):
-            problems[si] = (broken, "", "read")
-    jobs = _probe_samples(raws, problems, spec, times)
-    decoded: dict[int, list] = defaultdict(list)
-    for part in _budget_parts(jobs, problems, budget):
-        _decode_part(part, jobs, problems, decoded, spec, decoder, times)
-    videos = decode_sample_videos(raws, problems, spec, pipeline.video,
-                                  video_decoder or _cpu_video_decoder, times.add)
-
-    t0 = time.perf_counter()
-    encoded: list[EncodedSample] = []
-    n_images, mp = 0, 0.0
-    for si, raw in enumerate(raws):
-        parts = decoded.get(si, [])
-        if problems[si] is None:
-            grids = [g for _, g in parts]
-            plans = [plan for _, plan in videos.get(si, [])]
-            try:
-                input_ids, labels = pipeline.encode(raw, grids, plans)
-            except SampleRejected as exc:
-                problems[si] = (exc.reason, exc.detail, "tokenize")
-            except Exception as exc:  # a tokenizer or template failure costs this sample only
-                problems[si] = ("encode_error", f"{type(exc).__name__}: {exc}"[:200], "tokenize")
-        if problems[si] is not None:
-            reason, detail, stage = problems[si]
-            acct.reject(raw.shard, raw.key, reason, detail)
-            times.fail(stage)
-            continue
-        blocks, frames = image_blocks([p for p, _ in parts], grids, spec)
-        sample = EncodedSample(raw.key, raw.shard, input_ids, labels, blocks,
-                               np.asarray(grids, dtype=np.int64).reshape(-1, 3), image_frame_hw=frames)
-        if plans:
-            sample.video_pixels = np.concatenate([r for r, _ in videos[si]])
-            sample.video_grid_thw = np.asarray([p.grid for p in plans], dtype=np.int64)
-        encoded.append(sample)
-        n_images += len(parts)
-        mp += sum(h * w for _, h, w in grids) * spec.patch_size**2 / 1e6
-    times.add("tokenize", time.perf_counter() - t0, len(encoded))
-    return ItemResult(item.item_id, encoded, acct, times, n_images, mp)
+    """``item`` through ``ItemStages``: ``rules``, the user's filters; ``budget``, decoded bytes held at
+    once; ``video_decoder()``, the ``datasvc.media.video.VideoDecoder`` for samples with videos (CPU
+    DALI when not given)."""
+    return ItemStages(pipeline, decoder, limits, rules, budget, video_decoder)(item)
 
 
 def decode_job(data: bytes, spec) -> DecodeJob:
@@ -131,26 +226,6 @@ def decode_job(data: bytes, spec) -> DecodeJob:
     here, before any pixel is decoded (raises ``ImageRejected``)."""
     header = probe(data, spec.max_decode_pixels, spec.exif_orientation)
     return DecodeJob(data, header, spec.target_size(header.height, header.width))
-
-
-def _probe_samples(raws: list, problems: list, spec, times: StageTimes) -> dict[int, list[DecodeJob]]:
-    """Each live sample's decode jobs from its image headers; a rejected header rejects the sample."""
-    t0 = time.perf_counter()
-    jobs: dict[int, list[DecodeJob]] = {}
-    for si, raw in enumerate(raws):
-        if problems[si] is not None:
-            continue
-        mine = []
-        for _ext, data in raw.images:
-            try:
-                mine.append(decode_job(data, spec))
-            except ImageRejected as exc:  # the header, or its aspect ratio (target_size)
-                problems[si] = (exc.reason, exc.detail, "decode")
-                break
-        else:
-            jobs[si] = mine
-    times.add("decode", time.perf_counter() - t0, 0)
-    return jobs
 
 
 def _budget_parts(jobs: dict[int, list[DecodeJob]], problems: list, budget: int | None) -> list[list[int]]:
@@ -169,30 +244,6 @@ def _budget_parts(jobs: dict[int, list[DecodeJob]], problems: list, budget: int 
         parts[-1].append(si)
         used += need
     return parts
-
-
-def _decode_part(part: list[int], jobs: dict, problems: list, decoded: dict, spec, decoder: Decoder,
-                 times: StageTimes) -> None:
-    flat = [(si, job) for si in part for job in jobs[si]]
-    if not flat:
-        return
-    try:
-        rows = decoder.to_pixel_rows([job for _, job in flat], spec, times.add)
-    except Exception as exc:  # the decoder failed as a whole: isolate the samples that make it fail
-        if len(part) == 1:
-            problems[part[0]] = ("decode_error", f"{type(exc).__name__}: {exc}"[:200], "decode")
-            return
-        for si in part:
-            _decode_part([si], jobs, problems, decoded, spec, decoder, times)
-        return
-    for (si, job), res in zip(flat, rows):
-        if problems[si] is not None:
-            continue
-        if isinstance(res, ImageRejected):
-            problems[si] = (res.reason, res.detail, "decode")
-            decoded.pop(si, None)
-        else:
-            decoded[si].append((res, job.grid(spec)))
 
 
 _CPU_VIDEO_DECODER: list = []
@@ -266,17 +317,19 @@ class ItemProcessor:
 
     def __init__(self, cfg, device_id: int | None = 0):
         self.pipeline = cfg.build_pipeline()
-        self.decoder = make_decoder(cfg.decode, num_threads=cfg.decode_threads, device_id=device_id,
-                                    jpeg=cfg.cpu_jpeg_decoder, rank_resize=cfg.resize_on == "rank")
+        self.decoder = make_decoder(cfg.decode.device, num_threads=cfg.decode.threads, device_id=device_id,
+                                    jpeg=cfg.decode.cpu_jpeg_decoder, rank_resize=cfg.decode.resize_on == "rank")
         from datasvc.read.energon import name_datasets
 
         name_datasets(cfg.shards)  # an Energon dataset named by its directory reads with its own schema here too
         self.limits = ReadLimits.of(cfg)
         self.rules = SampleRules.parse(cfg.filters)
-        self.budget = cfg.decoded_bytes_budget
-        self._video_device = None if cfg.decode == "cpu" else device_id
-        self._video_threads = cfg.decode_threads
+        self.budget = cfg.budget.decoded_bytes_budget
+        self._video_device = None if cfg.decode.device == "cpu" else device_id
+        self._video_threads = cfg.decode.threads
         self._video_decoder: VideoDecoder | None = None
+        self.stages = ItemStages(self.pipeline, self.decoder, self.limits, self.rules, self.budget,
+                                 self.video_decoder)
 
     def video_decoder(self) -> VideoDecoder:
         if self._video_decoder is None:
@@ -284,8 +337,7 @@ class ItemProcessor:
         return self._video_decoder
 
     def __call__(self, item: WorkItem) -> ItemResult:
-        return process_item(item, self.pipeline, self.decoder, self.limits, self.rules, self.budget,
-                            self.video_decoder)
+        return self.stages(item)
 
 
 def make_decoder(kind: Literal["cpu", "gpu"], num_threads: int = 1, device_id: int | None = 0,

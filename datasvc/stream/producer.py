@@ -195,8 +195,8 @@ class BlockProducer:
         self.sources = SourceCounts(self.plan.blend) if cfg.blend else None  # per blend source
         self.times = StageTimes()
         self.stream = StreamStats()
-        self.budget = FailureBudget(cfg.max_consecutive_rejections, cfg.max_rejection_rate,
-                                    cfg.rejection_rate_min_samples)
+        self.budget = FailureBudget(cfg.budget.max_consecutive_rejections, cfg.budget.max_rejection_rate,
+                                    cfg.budget.rejection_rate_min_samples)
         self._held: list = []  # samples of the rows the last block held for the next one
         self._carry_in = self.start.carry  # (epoch, ordinal) of the samples held into the current chain
         self._packed_any = False

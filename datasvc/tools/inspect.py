@@ -91,6 +91,7 @@ class InspectConfig:
 
 def service_config(paths: list[str], config: InspectConfig):
     """(``ServiceConfig``, block sizing or None): ``trainer.run``'s stream for these shards, one epoch."""
+    from datasvc.config import DecodeConfig
     from datasvc.training import training_config
 
     options = dict(config.pipeline_options)
@@ -100,7 +101,8 @@ def service_config(paths: list[str], config: InspectConfig):
                            seq_len=config.seq_len, micro_batch_size=config.micro_batch_size, dp_size=config.dp_size,
                            max_pixels=config.max_pixels or caps["max_pixels"],
                            min_pixels=config.min_pixels or caps["min_pixels"], pipeline_options=options,
-                           items_per_block=None if config.pack else 1, decode=config.decode, seed=config.seed,
+                           items_per_block=None if config.pack else 1, decode=DecodeConfig(device=config.decode),
+                           seed=config.seed,
                            epochs=1)
 
 

@@ -185,13 +185,14 @@ def train(args: argparse.Namespace) -> dict:
         raise SystemExit(LORA_NEEDS_A_BASE)  # before anything is imported or built
     import torch
 
+    from datasvc import PoolConfig
     from trainer.megatron.loop import init_loopback_distributed
     from trainer.megatron.provider import pretrain
     from trainer.summary import summarize
 
     cfg, feed = build_config(args.pretrained, args.shards or (), recipe=args.recipe,
                              overrides=BridgeOverrides.from_args(args), out=args.out, max_pixels=args.max_pixels,
-                             min_actors=args.data_actors[0], max_actors=args.data_actors[1])
+                             pool=PoolConfig(min_actors=args.data_actors[0], max_actors=args.data_actors[1]))
     if "RANK" not in os.environ:  # run with python, not torchrun: one rank on a loopback rendezvous
         from trainer.rendezvous import loopback_env
 

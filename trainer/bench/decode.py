@@ -259,7 +259,7 @@ def _gpu_paths(t: _Timings, gpu, jobs, spec, grids, batch: int):
 
 def _rank_resize(t: _Timings, jobs, spec, batch: int) -> None:
     """What the rank pays for the CPU actors' default: micro-batches of host rows whose images hold
-    their decoded frames (``ServiceConfig.resize_on="rank"``), made into bf16 ``pixel_values`` on the
+    their decoded frames (``DecodeConfig.resize_on="rank"``), made into bf16 ``pixel_values`` on the
     GPU with the resize, against the same images resized in the actors; the rank's CPU time per
     image for each (kernel launches: what the trainer's thread spends)."""
     import torch

@@ -51,7 +51,7 @@ BASELINE = "vlmfeed-cpu"
 # ------------------------------------------------------------------------------------------------
 def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: int = 1, consumers: int = 1):
     """The data service as ``trainer.run`` configures it, at the peers' pixel limits."""
-    from datasvc.config import ServiceConfig
+    from datasvc.config import DecodeConfig, PoolConfig, ServiceConfig
     from datasvc.pack.epoch import size_blocks
     from datasvc.training import BLOCK_MICRO_BATCHES, CHAIN_BLOCKS
 
@@ -59,8 +59,8 @@ def vlmfeed_config(setting: PeerSetting, *, decode: str, actors: int, dp_size: i
                         pipeline_options={"min_pixels": setting.min_pixels, "max_pixels": setting.max_pixels},
                         seq_len=setting.seq_len, micro_batch_size=setting.mbs, dp_size=dp_size, pack=True,
                         consumers_per_replica=consumers, epochs=None, blocks_span_epochs=True,
-                        chain_blocks=CHAIN_BLOCKS, seed=0, decode=decode, decode_threads=1,
-                        min_actors=actors, max_actors=actors, items_per_block=1)
+                        chain_blocks=CHAIN_BLOCKS, seed=0, decode=DecodeConfig(device=decode, threads=1),
+                        pool=PoolConfig(min_actors=actors, max_actors=actors), items_per_block=1)
     return size_blocks(cfg, target_micro_batches=BLOCK_MICRO_BATCHES)[0]
 
 

@@ -64,10 +64,14 @@ def table(grid: dict) -> str:
 
 
 def service_settings(cfg) -> dict:
-    """The data service's settings as the case ran them (a rerun compares against these)."""
+    """The data service's settings as the case ran them (a rerun compares against these); a section
+    (``decode``, ``pool``, ...) as a dict of its own."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = service_settings(value)
+            continue
         try:
             json.dumps(value)
         except TypeError:

@@ -24,6 +24,7 @@ What feeding a container means, the same for ``python -m trainer.run`` and a use
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -231,8 +232,10 @@ def feed_from_vlmfeed(container: ConfigContainer, shards=(), *, world_size: int 
     """Make ``container`` train on vlmfeed's stream of ``shards`` (paths, globs, ``s3://`` URLs; none:
     the bundled photos). The data config is ``datasvc.for_training``'s, at the container's sequence
     length, micro-batch size and DP size (``world_size``: WORLD_SIZE, else 1); ``data_options`` set
-    any other of its arguments (``max_pixels``, ``decode``, ``min_actors``, ...). Global rank 0
-    starts the service when Bridge builds the datasets. Set the container's geometry first."""
+    any other of its arguments (``max_pixels``, ``decode=DecodeConfig(...)``, ``pool=PoolConfig(...)``,
+    ...); a ``balance`` section gets the container's micro-batches per step. Global rank 0 starts the
+    service when Bridge builds the datasets. Set the container's geometry first."""
+    from datasvc.config import BalanceConfig
     from datasvc.training import for_training, micro_batches_per_step
 
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -240,10 +243,12 @@ def feed_from_vlmfeed(container: ConfigContainer, shards=(), *, world_size: int 
     if world % layout.model_parallel:
         raise ValueError(f"world size {world} is not a multiple of TP x CP x PP = {layout.model_parallel}")
     mbs, gbs = container.train.micro_batch_size, container.train.global_batch_size
+    balance = dataclasses.replace(data_options.pop("balance", BalanceConfig()),
+                                  micro_batches_per_step=micro_batches_per_step(gbs, mbs, layout.dp_size))
     data_cfg = for_training(shards, **{
         "device": "gpu", "seq_len": container.model.seq_length, "micro_batch_size": mbs,
         "dp_size": layout.dp_size, "consumers_per_replica": layout.model_parallel, "pack": not padded,
-        "micro_batches_per_step": micro_batches_per_step(gbs, mbs, layout.dp_size), **data_options})
+        "balance": balance, **data_options})
     check_geometry(container, data_cfg, world)
     iterator = TimedIterator(None, adapt=to_stock_batch if padded else None)
     container.dataset = VlmfeedDataProvider(seq_length=container.model.seq_length)

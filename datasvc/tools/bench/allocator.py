@@ -1,5 +1,5 @@
 """Do the preprocessing actors' allocator settings cut their CPU per image? Process pairs, one under
-``ServiceConfig.actor_malloc_tunables`` and one under glibc's defaults, alternated round by round
+``PoolConfig.actor_malloc_tunables`` and one under glibc's defaults, alternated round by round
 (which goes first alternates too), each timing on one thread the actors' default work (DALI decode,
 frames left to the rank) and torchvision's decode on the same photos. glibc reads its tunables only
 when a process starts, so the pair is two processes, not two settings in one.
@@ -27,7 +27,7 @@ def measure(min_mp: float, max_mp: float, images: int, max_pixels: int, passes: 
     mean of ``passes`` passes over the photos after a warm-up."""
     import time
 
-    from datasvc.config import ServiceConfig
+    from datasvc.config import DecodeConfig
     from datasvc.media.decode import CpuDecoder
     from datasvc.registry import get_layout
     from datasvc.tools.bench.decode import _ours, _torchvision_decode
@@ -38,7 +38,7 @@ def measure(min_mp: float, max_mp: float, images: int, max_pixels: int, passes: 
     spec = get_layout("qwen3vl", max_pixels=max_pixels).vision
     out = {}
     with one_thread():
-        decoder = CpuDecoder(num_threads=1, rank_resize=ServiceConfig.resize_on == "rank")
+        decoder = CpuDecoder(num_threads=1, rank_resize=DecodeConfig.resize_on == "rank")
         for name, run in (("actors", _ours(spec, decoder, 16)), ("torchvision", _torchvision_decode)):
             run(photos)
             t0 = time.process_time()

@@ -30,9 +30,9 @@ from datasvc.usage import positive_float, positive_int
 def _as_the_actors_allocate(wanted: bool) -> None:
     """Restart this process under the preprocessing actors' ``GLIBC_TUNABLES`` when ``wanted`` and
     not already under them (glibc reads them only at start)."""
-    from datasvc.config import ServiceConfig
+    from datasvc.config import PoolConfig
 
-    tunables = ServiceConfig.actor_malloc_tunables
+    tunables = PoolConfig.actor_malloc_tunables
     if wanted and tunables and tunables not in os.environ.get("GLIBC_TUNABLES", ""):
         env = {**os.environ, "GLIBC_TUNABLES": ":".join(t for t in (tunables, os.environ.get("GLIBC_TUNABLES")) if t)}
         sys.stdout.flush()
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--allocator", choices=("glibc", "actors"), default="glibc",
                    help="glibc allocator settings of the measuring process, for every contender: glibc's "
                         "defaults (as a user runs the HF processor), or the preprocessing actors' "
-                        "(ServiceConfig.actor_malloc_tunables), under which the HF processor ran 2.2x faster "
+                        "(PoolConfig.actor_malloc_tunables), under which the HF processor ran 2.2x faster "
                         "on the 2-core VM")
     d.add_argument("--out", default="bench-decode.json", help="JSON; a PNG of the same name goes beside it")
     s = sub.add_parser("service", help="Ray-streamed throughput vs actors, and vs in-process")

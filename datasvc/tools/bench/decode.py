@@ -301,7 +301,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
                  repeats: int = 5, pack_synth: int = 200, skip_hf_pil: bool = False, seed: int = 0,
                  mp_range: tuple[float, float] = (0.3, 4.0), pack_copies: int = 2,
                  pipeline: str = "qwen3vl") -> dict:
-    from datasvc.config import ServiceConfig
+    from datasvc.config import DecodeConfig
     from datasvc.media.decode import CpuDecoder
     from datasvc.registry import get_layout
 
@@ -313,7 +313,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
     build_s = time.perf_counter() - t0
     mp_total = sum(p.megapixels for p in photos)
     with one_thread():
-        decoder = CpuDecoder(num_threads=1, rank_resize=ServiceConfig.resize_on == "rank")
+        decoder = CpuDecoder(num_threads=1, rank_resize=DecodeConfig.resize_on == "rank")
         runs = _contenders(spec, decoder, skip_hf_pil, photos)
         _progress(f"timing {len(runs)} contenders, {repeats} passes each, on {len(photos)} photos")
         # The slow HF PIL processor gets one pass; the rest the best of ``repeats``.
@@ -366,7 +366,7 @@ def bench_decode(images: int = 40, max_pixels: int = 16777216, min_pixels: int =
         "ratios": ratios,
         "goals": goals,
         "profile_ours": prof,
-        "resize_on": ServiceConfig.resize_on,
+        "resize_on": DecodeConfig.resize_on,
         "actors_cpu_over_raw_decode": over_decode,
         "actors_resizing_cpu_over_default": resize_left,
         "actors_copying_rows_cpu_over_default": copying,

@@ -24,7 +24,7 @@ KINDS = ("kill_on_key", "raise_on_key", "address_space_headroom_bytes", "rss_hea
 
 
 def faults(**kinds) -> tuple[str, dict]:
-    """The ``ServiceConfig.actor_hook`` that injects ``kinds`` (see the module docstring)."""
+    """The ``PoolConfig.actor_hook`` that injects ``kinds`` (see the module docstring)."""
     if unknown := set(kinds) - set(KINDS):
         raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(KINDS)}")
     return (f"{__name__}:FaultInjection", dict(kinds))

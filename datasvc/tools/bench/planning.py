@@ -77,7 +77,7 @@ def time_plan(cfg, steps: int) -> tuple[float, float, int, dict | None]:
 
 
 def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, work_dir: str) -> dict:
-    from datasvc.config import ServiceConfig
+    from datasvc.config import BalanceConfig, ServiceConfig
 
     samples = max(dps) * mbs_per_step * (steps + 1) * 6  # enough items for every rank's first steps
     shards = write_shards(os.path.join(work_dir, "shards"), samples)
@@ -85,12 +85,12 @@ def bench_planning(dps: list[int], steps: int, mbs_per_step: int, seq_len: int, 
     for dp in dps:
         base = ServiceConfig(shards=tuple(shards), seq_len=seq_len, micro_batch_size=1, samples_per_item=4,
                              items_per_block=2, pipeline_options={"max_pixels": 1024 * 1024}, epochs=1, dp_size=dp,
-                             balance_dp=True, micro_batches_per_step=mbs_per_step)
+                             balance=BalanceConfig(enabled=True, micro_batches_per_step=mbs_per_step))
         index = os.path.join(work_dir, f"sizes-dp{dp}")
         shutil.rmtree(index, ignore_errors=True)
         row = {"dp": dp, "micro_batches_per_step": mbs_per_step}
-        for name, cfg in (("headers", base), ("index_cold", dataclasses.replace(base, sizes_index=index)),
-                          ("index_warm", dataclasses.replace(base, sizes_index=index))):
+        for name, cfg in (("headers", base), ("index_cold", dataclasses.replace(base, balance=dataclasses.replace(base.balance, sizes_index=index))),
+                          ("index_warm", dataclasses.replace(base, balance=dataclasses.replace(base.balance, sizes_index=index)))):
             start, seconds, made, counts = time_plan(cfg, steps)
             row[name] = {"start_s": round(start, 4), "s_per_step": round(seconds / max(made, 1), 4), "steps": made,
                          "sizes_index": counts}

@@ -22,12 +22,13 @@ def service_shards(samples: int, seed: int = 0, samples_per_shard: int = 50) -> 
 
 
 def _service_config(shards, actors: int, seq_len: int, max_pixels: int, samples_per_item: int, epochs: int = 1):
-    from datasvc.config import ServiceConfig
+    from datasvc.config import DecodeConfig, PoolConfig, ServiceConfig
 
     return ServiceConfig(shards=tuple(shards), seq_len=seq_len, micro_batch_size=1, epochs=epochs, seed=0,
-                         samples_per_item=samples_per_item, items_per_block=2, decode="cpu", decode_threads=1,
-                         min_actors=actors, max_actors=actors, autoscale_interval_s=3600.0,
-                         max_batches_ahead=8, prefetch=2, pipeline_options={"max_pixels": max_pixels})
+                         samples_per_item=samples_per_item, items_per_block=2, prefetch=2,
+                         decode=DecodeConfig(device="cpu", threads=1), pipeline_options={"max_pixels": max_pixels},
+                         pool=PoolConfig(min_actors=actors, max_actors=actors, autoscale_interval_s=3600.0,
+                                         max_batches_ahead=8))
 
 
 def run_in_process(cfg) -> dict:

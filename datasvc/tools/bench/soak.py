@@ -41,7 +41,7 @@ def accepted_keys(cfg) -> Counter:
     from datasvc.stream.producer import BlockProducer
 
     keys = Counter()
-    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1, actor_hook=()), 0).micro_batches():
+    for batch, _pos in BlockProducer(dataclasses.replace(cfg, epochs=1, pool=dataclasses.replace(cfg.pool, actor_hook=())), 0).micro_batches():
         keys.update(batch.sample_keys)
     return keys
 
@@ -70,7 +70,7 @@ TAR_EDGE_REASONS = frozenset({"sample_too_large", "corrupt_tar_header", "tar_hea
 
 
 def _soak_config():
-    from datasvc.config import ServiceConfig
+    from datasvc.config import BudgetConfig, PoolConfig, ServiceConfig
     from datasvc.samples import encode_image, real_photos, write_photo_shards
     from datasvc.tools.bench.hostile import write_hostile_set
     from datasvc.training import CHAIN_BLOCKS
@@ -87,9 +87,11 @@ def _soak_config():
     cfg = ServiceConfig(shards=tuple(good + hostile + [os.path.join(alias, "duplicates.tar")]), seq_len=512,
                         micro_batch_size=2, samples_per_item=4, items_per_block=2, chain_blocks=CHAIN_BLOCKS,
                         pipeline_options={"min_pixels": 32 * 32, "max_pixels": 192 * 192},
-                        decoded_bytes_budget=DECODED_BYTES_BUDGET, encoded_bytes_budget=ENCODED_BYTES_BUDGET,
-                        actor_hook=faults(kill_on_key=kill_key),
-                        epochs=None, min_actors=1, max_actors=2, max_batches_ahead=3, autoscale_interval_s=2.0)
+                        budget=BudgetConfig(decoded_bytes_budget=DECODED_BYTES_BUDGET,
+                                            encoded_bytes_budget=ENCODED_BYTES_BUDGET),
+                        pool=PoolConfig(actor_hook=faults(kill_on_key=kill_key), min_actors=1, max_actors=2,
+                                        max_batches_ahead=3, autoscale_interval_s=2.0),
+                        epochs=None)
     return cfg, kill_key
 
 
@@ -106,7 +108,7 @@ def file_checks(cfg) -> dict:
     path = write_tar(os.path.join(cache_dir("soak"), "rewritten.tar"), [m for i in range(4) for m in good(f"rw{i}", photo)])
     index = index_shard(path)
     rewrite_in_place(path)
-    result = ItemProcessor(dataclasses.replace(cfg, actor_hook=()), device_id=None)(
+    result = ItemProcessor(dataclasses.replace(cfg, pool=dataclasses.replace(cfg.pool, actor_hook=())), device_id=None)(
         WorkItem(path, 0, tuple(index.samples)))
     return {"shard_names": len(cfg.shards), "shard_files": len({os.path.realpath(p) for p in cfg.shards}),
             "shard_files_read": len(expand_shards(list(cfg.shards))),

@@ -256,8 +256,8 @@ def _run_report(cfg, tally: _Tally, stages: dict, wall: float, cpu_report: dict 
     actor_s = sum(stages[s]["seconds"] for s in ACTOR_STAGES)
     per = lambda amount, seconds: amount / seconds if seconds else None  # noqa: E731
     out = {
-        "micro_batch_size": cfg.micro_batch_size, "actors": cfg.min_actors, "decode_threads": cfg.decode_threads,
-        "decode": cfg.decode,
+        "micro_batch_size": cfg.micro_batch_size, "actors": cfg.pool.min_actors, "decode_threads": cfg.decode.threads,
+        "decode": cfg.decode.device,
         "window_s": wall, "samples": tally.samples, "micro_batches": tally.batches, **content,
         "rates": {f"{k}_per_s": v / wall for k, v in
                   {"samples": tally.samples, **content, "micro_batches": tally.batches}.items()},

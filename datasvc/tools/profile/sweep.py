@@ -102,6 +102,7 @@ class Settings:
     def config(self, mbs: int, actors: int):
         """The service config of one setting: ``trainer.run``'s stream (``datasvc.training``), with
         a fixed pool of ``actors`` per rank."""
+        from datasvc.config import DecodeConfig
         from datasvc.training import CHAIN_BLOCKS, training_config
 
         cfg, _ = training_config(
@@ -109,10 +110,17 @@ class Settings:
             max_pixels=self.max_pixels, min_pixels=self.min_pixels,
             pipeline_options={"video_fps": self.video_fps, "video_max_pixels": self.video_max_pixels},
             block_micro_batches=self.block_micro_batches, items_per_block=self.items_per_block,
-            decode=self.decode, cpu_jpeg_decoder=self.cpu_jpeg_decoder, decode_threads=self.threads,
-            min_actors=actors, max_actors=actors, autoscale_interval_s=3600.0, samples_per_item=self.samples_per_item,
+            decode=DecodeConfig(device=self.decode, cpu_jpeg_decoder=self.cpu_jpeg_decoder, threads=self.threads),
+            pool=fixed_pool(actors), samples_per_item=self.samples_per_item,
             seed=self.seed, chain_blocks=self.chain_blocks or CHAIN_BLOCKS, filters=tuple(self.filters), blend=self.blend)
         return cfg
+
+
+def fixed_pool(actors: int):
+    """``actors`` preprocessing actors per rank, never autoscaled: a measured setting holds still."""
+    from datasvc.config import PoolConfig
+
+    return PoolConfig(min_actors=actors, max_actors=actors, autoscale_interval_s=3600.0)
 
 
 def profile(settings: Settings, demand: Demand | None = None, progress: bool = True, label: str = "") -> dict:
@@ -123,7 +131,7 @@ def profile(settings: Settings, demand: Demand | None = None, progress: bool = T
         sized = settings.config(mbs, settings.actors[0])  # block sizing reads shards: once per MBS
         for a in settings.actors:
             desc = f"{label + ' ' if label else ''}MBS {mbs}, {a} actor(s)"
-            cfg = dataclasses.replace(sized, min_actors=a, max_actors=a)
+            cfg = dataclasses.replace(sized, pool=fixed_pool(a))
             r = measure(cfg, samples=settings.samples, seconds=settings.seconds,
                         model=demand.model, progress=progress, desc=desc)
             r["items_per_block"] = cfg.items_per_block
