@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from datasvc.flags import flag
 from datasvc.read.blend import blend_patterns, parse_blend
 from datasvc.read.filters import Rule
 from datasvc.usage import UserError
@@ -39,14 +40,20 @@ class InvalidConfig(ValueError, UserError):
 class DecodeConfig:
     """Where and how the preprocessing actors decode images and video."""
 
-    device: Literal["cpu", "gpu"] = "cpu"
-    threads: int = 1
+    device: Literal["cpu", "gpu"] = field(default="cpu", metadata=flag(
+        "where the preprocessing actors decode images (gpu: DALI's hardware JPEG decoder)", name="--decode"))
+    threads: int = field(default=1, metadata=flag("decode threads (CPUs) per preprocessing actor",
+                                                  name="--decode-threads"))
     """Decode threads (and CPU slots) per preprocessing actor."""
-    cpu_jpeg_decoder: Literal["dali", "libjpeg-turbo"] = "dali"
+    cpu_jpeg_decoder: Literal["dali", "libjpeg-turbo"] = field(default="dali", metadata=flag(
+        "with --decode cpu: libjpeg-turbo decodes JPEGs at a reduced DCT scale (faster on photos well above the "
+        "pixel cap)"))
     """With ``device="cpu"``: "libjpeg-turbo" decodes RGB and grayscale JPEGs with libjpeg-turbo at
     the reduced DCT scale that still covers the target (``datasvc.media.jpegscale``), which DALI cannot;
     faster on photos well above the pixel cap, within the same HF exactness. Other images: DALI."""
-    resize_on: Literal["rank", "actor"] = "rank"
+    resize_on: Literal["rank", "actor"] = field(default="rank", metadata=flag(
+        "with --decode cpu: where an image's last resize runs; rank: on the trainer's GPU with HF's own resize, "
+        "sparing the preprocessing actors nearly half their CPU time"))
     """With ``device="cpu"``, where a CPU-decoded image's last resize runs. "rank": the actor sends
     the decoded frame (when within ``decode.RANK_RESIZE_MAX_AREA`` of its target's pixels) and the
     client resizes it on the rank's device with HF's own resize, as it makes ``pixel_values``. At
@@ -162,12 +169,17 @@ class BalanceConfig:
     (``datasvc.stream.balanced``): every feeder plans every rank's micro-batches from image headers,
     then decodes only its share."""
 
-    enabled: bool = False
+    enabled: bool = field(default=False, metadata=flag(
+        "deal each optimizer step's micro-batches across DP ranks by predicted cost, so no rank straggles (needs "
+        "GBS / (DP x MBS) >= 2)", name="--balance-dp", action="store_true"))
     micro_batches_per_step: int = 1
     """GBS / (DP x MBS): the micro-batches a DP rank trains per optimizer step (what is dealt)."""
     cost: dict = field(default_factory=dict)
     """Options of the pipeline's ``cost_model`` (``preset``, ``calibration``)."""
-    sizes_index: str = ""
+    sizes_index: str = field(default="", metadata=flag(
+        "with --balance-dp: a directory every feeder can read, holding each shard's sample sizes so its headers are "
+        "read once per job, not once per DP rank (`vlmfeed sizes` fills it ahead; feeders add what is missing)",
+        name="--sizes-index", metavar="DIR"))
     """A directory all feeders can read (``datasvc.pack.sizes``) where each shard's per-sample sizes
     are kept, so a shard's headers are read once per job instead of once per feeder.
     Empty: every feeder plans from headers."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from datasvc.config import DecodeConfig, ServiceConfig
+from datasvc.flags import section_arguments
 from datasvc.usage import positive_float, positive_int
 
 
@@ -119,17 +120,10 @@ DATA_FLAGS: dict[str, dict] = {
                          help=f"per-image pixel cap (default: {_GPU.max_pixels:,} on GPU, {_CPU.max_pixels:,} on CPU)"),
     "--min-pixels": dict(type=positive_int, default=None,
                          help="per-image pixel floor (default: the pipeline's, lowered to the cap where the cap is below it)"),
-    "--decode": dict(choices=("cpu", "gpu"), default=DecodeConfig.device,
-                     help="where the preprocessing actors decode images (gpu: DALI's hardware JPEG decoder)"),
-    "--cpu-jpeg-decoder": dict(choices=("dali", "libjpeg-turbo"), default=DecodeConfig.cpu_jpeg_decoder,
-                               help="with --decode cpu: libjpeg-turbo decodes JPEGs at a reduced DCT scale (faster "
-                                    "on photos well above the pixel cap)"),
     "--video-fps": dict(type=positive_float, default=None,
                         help="frames sampled a second of video (default: the pipeline's, 2)"),
     "--video-max-pixels": dict(type=positive_int, default=None,
                                help="cap on frames x height x width of one video (default: the pipeline's)"),
-    "--decode-threads": dict(type=positive_int, default=DecodeConfig.threads,
-                             help="decode threads (CPUs) per preprocessing actor"),
     "--data-seed": dict(type=int, default=ServiceConfig.seed,
                         help="the data seed: the order of work items and of the samples in them"),
     "--items-per-block": dict(type=positive_int, default=None,
@@ -142,6 +136,7 @@ DATA_FLAGS: dict[str, dict] = {
     "--chain-blocks": dict(type=positive_int, default=CHAIN_BLOCKS,
                            help="blocks packed as a chain: a block's part-filled rows wait for the next block's "
                                 "samples (1: each block on its own); a restore re-reads up to this many - 1 blocks"),
+    **section_arguments(DecodeConfig),
     "--blend": dict(default="", help="datasets in fixed proportions: NAME=PATTERN:WEIGHT,... or a YAML file "
                                      "(instead of shards)"),
 }

@@ -83,7 +83,7 @@ def _other_value(section, f, default):
     """A value of field ``f`` that is not its default, as a flag takes it."""
     import typing
 
-    from trainer.flags import _base
+    from datasvc.flags import base_type as _base
 
     base = _base(typing.get_type_hints(section)[f.name])
     if base is bool:
@@ -106,7 +106,7 @@ def test_every_training_setting_is_a_flag_on_its_field_and_fills_it():
     import dataclasses
 
     from trainer.config import TrainerConfig, add_cli_args, from_args
-    from trainer.flags import _flag, flag_name
+    from datasvc.flags import field_flag as _flag, flag_name
 
     unflagged, parser = [], add_cli_args(argparse.ArgumentParser())
     for owner in dataclasses.fields(TrainerConfig):
@@ -123,3 +123,27 @@ def test_every_training_setting_is_a_flag_on_its_field_and_fills_it():
             cfg = from_args(parser.parse_args(argv))
             assert getattr(getattr(cfg, owner.name), f.name) == value, argv
     assert unflagged == ["model.pipeline"]  # the positional pipeline argument
+
+
+def test_every_data_section_flag_fills_its_field():
+    """The data service's sections that carry flags (decode, balance) are built from them: each flag
+    given to trainer.run lands in its field of the job's data config, so it is written once, there."""
+    import argparse
+    import dataclasses
+
+    from datasvc.config import BalanceConfig, DecodeConfig
+    from datasvc.flags import field_flag, flag_name, section_from_args
+    from trainer.job import add_job_args
+
+    parser = argparse.ArgumentParser()
+    add_job_args(parser)
+    flagged = 0
+    for section in (DecodeConfig, BalanceConfig):
+        for f in dataclasses.fields(section):
+            if field_flag(f) is None:
+                continue
+            value = _other_value(section, f, getattr(section(), f.name))
+            argv = [flag_name(f)] if value is True else [flag_name(f), str(value)]
+            assert getattr(section_from_args(section, parser.parse_args(argv)), f.name) == value, argv
+            flagged += 1
+    assert flagged == 6  # device, threads, cpu_jpeg_decoder, resize_on; enabled, sizes_index

@@ -17,10 +17,12 @@ import uuid
 from dataclasses import dataclass
 
 from datasvc.config import BalanceConfig, DecodeConfig, PoolConfig, ServiceConfig
+from datasvc.flags import section_from_args
 from datasvc.read.filters import add_filter_flags, filters_from_flags
 from datasvc.training import CPU_RANKS, add_data_flags
 from datasvc.usage import UserError, positive_int
 from trainer.config import TrainerConfig
+from trainer.flags import add_section_flags
 from trainer.lifecycle import Resume, resolve_outputs, resume_from, start_run_control, stop_on_sigterm
 from trainer.megatron.overrides import CPU_PATH_REFUSAL, BridgeOverrides, describe, validate_overrides
 
@@ -46,18 +48,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="validation shards (the same forms as --shards), streamed by their own feeders, never "
                         "trained on; evaluated every --eval-interval steps")
     add_filter_flags(g)
-    g.add_argument("--balance-dp", action="store_true",
-                   help="deal each optimizer step's micro-batches across DP ranks by predicted cost, so no rank "
-                        "straggles (needs GBS / (DP x MBS) >= 2)")
-    g.add_argument("--sizes-index", default="", metavar="DIR",
-                   help="with --balance-dp: a directory every feeder can read, holding each shard's sample sizes "
-                        "so its headers are read once per job, not once per DP rank (`vlmfeed sizes` fills it "
-                        "ahead; feeders add what is missing)")
+    add_section_flags(g, BalanceConfig)
     add_data_flags(g, "--decode", "--max-pixels", "--min-pixels")
-    add_data_flags(g, "--decode-threads", "--cpu-jpeg-decoder")
-    g.add_argument("--resize-on", choices=["rank", "actor"], default=DecodeConfig.resize_on,
-                   help="with --decode cpu: where an image's last resize runs; rank: on the trainer's GPU "
-                        "with HF's own resize, sparing the preprocessing actors nearly half their CPU time")
+    add_data_flags(g, "--decode-threads", "--cpu-jpeg-decoder", "--resize-on")
     g.add_argument("--data-actors", type=positive_int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
                    help="preprocessing actors per DP rank (autoscaled between)")
     add_data_flags(g, "--video-fps", "--video-max-pixels")
@@ -307,11 +300,10 @@ def data_config(args: argparse.Namespace, cfg: TrainerConfig, backend: str, worl
         block_micro_batches=args.block_micro_batches, items_per_block=args.items_per_block,
         blend=args.blend, filters=filters_from_flags(args), pack=not cfg.train.padded,
         consumers_per_replica=layout0.model_parallel, chain_blocks=args.chain_blocks, seed=args.data_seed,
-        decode=DecodeConfig(device=args.decode, threads=args.decode_threads, gpu_share=decode_share,
-                            cpu_jpeg_decoder=args.cpu_jpeg_decoder, resize_on=args.resize_on),
+        decode=section_from_args(DecodeConfig, args, gpu_share=decode_share),
         pool=PoolConfig(min_actors=args.data_actors[0], max_actors=args.data_actors[1]),
-        balance=BalanceConfig(enabled=args.balance_dp, cost=balance_cost(cfg) if args.balance_dp else {},
-                              sizes_index=args.sizes_index, micro_batches_per_step=cfg.train.grad_accum(layout0.dp_size)))
+        balance=section_from_args(BalanceConfig, args, cost=balance_cost(cfg) if args.balance_dp else {},
+                                  micro_batches_per_step=cfg.train.grad_accum(layout0.dp_size)))
     if sizing is not None:
         log.info("blocks of %d items (about %d micro-batches; %s tokens a sample over %d probed)",
                  data_cfg.items_per_block, args.block_micro_batches, sizing.tokens_per_sample, sizing.probed_samples)
