@@ -180,3 +180,14 @@ def test_a_stamped_result_records_the_defaults_it_holds_for():
     assert held["service"]["decode"]["device"] == "cpu" and held["service"]["decode"]["resize_on"] == "rank"
     assert held["trainer"]["train"]["mbs"] == 1 and held["trainer"]["parallel"]["strategy"] in ("fsdp", "3d")
     assert "defaults" in stamp({}, "q", "c") and "trainer" not in stamp({}, "q", "c")["defaults"]
+
+
+def test_two_checkouts_compare_by_round_and_by_totals():
+    """The structure bench's answer: head over base per alternated round, its mean with +-2 standard
+    errors, and the totals over totals."""
+    from datasvc.tools.bench.checkouts import summarize
+
+    s = summarize([10.0, 12.0, 11.0], [10.0, 13.2, 9.9], "images/s")
+    assert s["ratio_per_round"] == [1.0, 1.1, 0.9]
+    assert s["ratio_mean"] == 1.0 and s["ratio_2se"] == round(2 * 0.1 / 3 ** 0.5, 4)
+    assert s["ratio_of_totals"] == round(33.1 / 33.0, 4)
