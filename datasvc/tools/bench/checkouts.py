@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     os.makedirs(args.out, exist_ok=True)
     rep = stamp(compare(args.base, args.head, args.rounds, args.benches, os.path.abspath(args.out), repo),
-                "Does the change of structure cost speed?", "vlmfeed bench checkouts " + " ".join(argv or sys.argv[1:]))
+                "Does a change of structure cost speed?", "vlmfeed bench checkouts " + " ".join(argv or sys.argv[1:]))
     print_report(rep)
     path = os.path.join(args.out, "checkouts.json")
     with open(path, "w") as f:
