@@ -309,7 +309,7 @@ def sample_token_counts(cfg: ServiceConfig, indexes: list[ShardIndex], limit: in
     by_shard: dict[str, list] = {}
     for i in sorted(chosen):
         by_shard.setdefault(where[i][0], []).append(where[i][1])
-    limits = ReadLimits.of(cfg)
+    limits = ReadLimits.of(cfg.budget)
     lengths = []
     for path, samples in by_shard.items():
         for raw in read_samples(path, samples, limits):

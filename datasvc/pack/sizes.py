@@ -58,7 +58,7 @@ class HeaderProcessor:
         from datasvc.read.shards import ReadLimits
 
         self.pipeline = cfg.build_pipeline()
-        self.limits = ReadLimits.of(cfg)
+        self.limits = ReadLimits.of(cfg.budget)
         self.rules = SampleRules.parse(cfg.filters)
 
     def __call__(self, item: WorkItem) -> ItemResult:

@@ -265,10 +265,10 @@ class ReadLimits:
     over it is ``sample_too_large`` before a byte is read (``BudgetConfig.encoded_bytes_budget``)."""
 
     @classmethod
-    def of(cls, cfg) -> "ReadLimits":
-        """The limits a ``ServiceConfig`` sets, so every reader of its shards refuses the same samples."""
-        return cls(max_images_per_sample=cfg.budget.max_images_per_sample, max_text_bytes=cfg.budget.max_text_bytes,
-                   max_sample_bytes=cfg.budget.encoded_bytes_budget)
+    def of(cls, budget) -> "ReadLimits":
+        """The limits a ``BudgetConfig`` sets, so every reader of a config's shards refuses the same samples."""
+        return cls(max_images_per_sample=budget.max_images_per_sample, max_text_bytes=budget.max_text_bytes,
+                   max_sample_bytes=budget.encoded_bytes_budget)
 
 
 class _Rejected(Exception):

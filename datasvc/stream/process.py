@@ -322,7 +322,7 @@ class ItemProcessor:
         from datasvc.read.energon import name_datasets
 
         name_datasets(cfg.shards)  # an Energon dataset named by its directory reads with its own schema here too
-        self.limits = ReadLimits.of(cfg)
+        self.limits = ReadLimits.of(cfg.budget)
         self.rules = SampleRules.parse(cfg.filters)
         self.budget = cfg.budget.decoded_bytes_budget
         self._video_device = None if cfg.decode.device == "cpu" else device_id
