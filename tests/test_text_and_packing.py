@@ -91,10 +91,23 @@ def test_hold_partial_keeps_whole_micro_batches_and_holds_the_emptiest_rows():
     assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
     assert hold_partial(fits, kept, 4) == (kept, [])  # a whole number of micro-batches holds nothing
 
-    # With a fill floor, the emptiest rows wait too: a micro-batch's worth more at most.
+    # With a fill floor, the rows below it wait too, in whole micro-batches, up to half the block's rows.
     kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
-    assert len(kept) % 4 == 0 and len(rows) - len(kept) < 8
+    assert len(kept) % 4 == 0 and all(fill(r) >= 0.95 * 1024 for r in kept)
     assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
+    coarse = [_sample(int(n), 0, f"c{i}") for i, n in enumerate(rng.integers(300, 700, 60))]
+    fits, rows, _ = plan_block(coarse, cfg)
+    below = sum(fill(r) < 0.95 * 1024 for r in rows)
+    assert 4 < below < len(rows) // 2  # more than a micro-batch's worth below the floor
+    kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
+    assert len(kept) % 4 == 0 and all(fill(r) >= 0.95 * 1024 for r in kept)
+    assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
+
+    # Rows that can never fill still flow: at least half of them train.
+    halves = [_sample(600, 0, f"h{i}") for i in range(40)]
+    fits, rows, _ = plan_block(halves, cfg)
+    kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
+    assert len(kept) >= len(rows) // 2 and len(kept) % 4 == 0
 
 
 def test_best_fit_rows_never_overflow():
