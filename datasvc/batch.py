@@ -51,6 +51,9 @@ class EncodedSample:
     # The epoch it was drawn for and its ordinal in the plan (``WorkItem``), set by the producer.
     epoch: int = 0
     ordinal: int = -1
+    # Blocks it has waited for a fuller row in the current chain (``pack.epoch.MAX_WAITS``), counted
+    # by the producer.
+    waited: int = 0
 
     def __post_init__(self):
         if isinstance(self.pixel_blocks, np.ndarray):

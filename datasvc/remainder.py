@@ -13,8 +13,8 @@ new DP size with the samples already trained left out. Every remaining sample of
 way is then trained exactly once and none is repeated; what cannot carry over is which samples
 share a row (packing starts afresh) and the order within the rest of the epoch.
 
-Records older than ``KEPT_EPOCHS`` before a rank's position are dropped when it saves: an epoch
-that far back has no sample left in flight, so it counts as done.
+Records older than ``KEPT_EPOCHS`` before the oldest epoch a rank may still have a sample in flight
+of (``Position.oldest``) are dropped when it saves: an epoch that far back counts as done.
 """
 from __future__ import annotations
 
@@ -91,5 +91,8 @@ def remainder_after(states: list[dict], previous: dict | None = None) -> dict:
             raise ValueError("a loader state without its record of trained samples cannot resume at another "
                              "data-parallel size; resume at the DP size it was saved at")
         trained = trained.union(TrainedSamples.from_state(s["trained"]))
-    first = max(min(s["epoch"] for s in states) - 1, (previous or {}).get("first_epoch", 0), 0)
+    # A sample of an epoch older than a rank's position can still be in flight (blocks span epochs,
+    # rows wait for the next block): the state names the oldest (``oldest``).
+    first = max(min(min(s["epoch"], s.get("oldest", s["epoch"])) for s in states) - 1,
+                (previous or {}).get("first_epoch", 0), 0)
     return {"first_epoch": first, "trained": trained.since(first).to_state()}

@@ -110,3 +110,13 @@ def test_the_state_after_a_micro_batch_resumes_at_the_next_one_and_keeps_recent_
     assert state.last_delivered == delivered  # what the client reports after a restore
     fresh = LoaderState.after(None, "fp", 0, TrainedSamples())
     assert fresh.position == Position(0, 0, 0, 0) and fresh.dataset is None
+
+    # A block spanning epochs, or a row that waited, keeps samples of older epochs in flight: the
+    # state keeps their records, and a resume at another DP size deals anew from the oldest.
+    waiting = {**delivered, "oldest": 1, "carry": [[0, 9, 2]]}
+    state = LoaderState.after(waiting, "fp", 2, trained, {"files": 1})
+    assert state.position == Position(5, 3, 2, 41, ((0, 9, 2),), oldest=1)
+    assert state.trained.epochs() == list(range(max(0, 1 - KEPT_EPOCHS), 6))
+    assert LoaderState.from_dict(state.as_dict()).position == state.position
+    assert remainder_after([state.as_dict()])["first_epoch"] == 0
+    assert remainder_after([LoaderState.after(delivered, "fp", 2, trained).as_dict()])["first_epoch"] == 4

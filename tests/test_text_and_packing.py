@@ -103,6 +103,13 @@ def test_hold_partial_keeps_whole_micro_batches_and_holds_the_emptiest_rows():
     assert len(kept) % 4 == 0 and all(fill(r) >= 0.95 * 1024 for r in kept)
     assert max(fill(r) for r in rows if r not in kept) <= min(fill(r) for r in kept)
 
+    # A sample that waited long enough trains now: its row waits neither for the floor nor, while
+    # other rows can, for whole micro-batches.
+    kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
+    late = {i for r in rows if r not in kept for i in r}
+    kept2, held2 = hold_partial(fits, rows, 4, 1024, 0.95, must_go=late)
+    assert not late & {i for r in rows if r not in kept2 for i in r} and len(kept2) % 4 == 0
+
     # Rows that can never fill still flow: at least half of them train.
     halves = [_sample(600, 0, f"h{i}") for i in range(40)]
     fits, rows, _ = plan_block(halves, cfg)

@@ -206,6 +206,9 @@ def test_rank_env_sets_the_allocator_before_cuda_starts(monkeypatch, before, exp
     else:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
     assert rank_env(expandable).get("PYTORCH_CUDA_ALLOC_CONF") == after
+    # CUDA graphs under expandable segments: Megatron-Core captures only with NCCL's graph registration off.
+    assert rank_env(expandable, cuda_graphs=True).get("NCCL_GRAPH_REGISTER") == (
+        "0" if after and "expandable_segments:True" in after else None)
 
 
 def test_worker_group_starts_ranks_with_its_env(ray_local):

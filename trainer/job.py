@@ -323,13 +323,18 @@ def balance_cost(cfg: TrainerConfig) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Running it
 # ------------------------------------------------------------------------------------------------
-def rank_env(expandable_segments: bool) -> dict[str, str]:
+def rank_env(expandable_segments: bool, cuda_graphs: bool = False) -> dict[str, str]:
     """Environment the trainer ranks start with. The CUDA allocator reads its settings once, when
     CUDA starts in a process, so they must be there before the rank runs any code."""
     setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if expandable_segments and "expandable_segments" not in setting:
         setting = ",".join(filter(None, [setting, "expandable_segments:True"]))
-    return {"PYTORCH_CUDA_ALLOC_CONF": setting} if setting else {}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": setting} if setting else {}
+    if cuda_graphs and "expandable_segments:True" in setting:
+        # NCCL's registration of graph-captured buffers reads freed memory under expandable segments;
+        # Megatron-Core refuses to capture unless it is off.
+        env["NCCL_GRAPH_REGISTER"] = "0"
+    return env
 
 
 def launch(job: Job) -> tuple[list[dict], dict, float]:
@@ -346,7 +351,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
              len(job.data_cfg.shards), cfg.train.seq_len, cfg.train.mbs, cfg.train.gbs)
     # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
     group = WorkerGroup(world, use_gpu=job.backend == "megatron", gpu_per_rank=job.gpu_per_rank,
-                        env=rank_env(cfg.train.expandable_segments), loopback=job.loopback)
+                        env=rank_env(cfg.train.expandable_segments, bool(cfg.cuda_graph.scope or cfg.cuda_graph.static_shapes)), loopback=job.loopback)
     services = []
     try:  # each DP rank's feeder and actors on the node of its ranks, so batches stay on the node
         restore = job.resume.loader if job.resume else None

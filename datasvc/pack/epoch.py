@@ -27,16 +27,26 @@ class Position:
     block: int = 0
     batch: int = 0  # index within the block
     step: int = 0  # micro-batches delivered so far in total
-    # (epoch, plan ordinal) of the samples the chain before this block's chain carried into it: the
-    # rows it would have trained part empty. A restore reads them again, so the chain packs as it did.
+    # (epoch, plan ordinal[, blocks waited]) of the samples the chain before this block's chain carried
+    # into it: the rows it would have trained part empty. A restore reads them again, so the chain
+    # packs as it did.
     carry: tuple = ()
+    # The oldest epoch a sample still in flight may belong to: the samples packed in this block (those
+    # held into it included) and those it holds for the next. Blocks spanning epochs, and rows that
+    # wait, put samples of older epochs in flight than ``epoch``; a resume at another DP size deals
+    # anew from here. None: ``epoch``.
+    oldest: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "carry", tuple((int(e), int(o)) for e, o in self.carry))
+        object.__setattr__(self, "carry", tuple(tuple(int(x) for x in c) for c in self.carry))
 
     def as_dict(self) -> dict:
         return {"epoch": self.epoch, "block": self.block, "batch": self.batch, "step": self.step,
-                "carry": [list(c) for c in self.carry]}
+                "carry": [list(c) for c in self.carry], **({"oldest": self.oldest} if self.oldest is not None else {})}
+
+    @property
+    def in_flight_from(self) -> int:
+        return self.epoch if self.oldest is None else min(self.epoch, self.oldest)
 
 
 class EpochPlan:
@@ -182,21 +192,31 @@ class EpochPlan:
                    patch_dim: int, hold: bool = False
                    ) -> tuple[list[PackedBatch], list[EncodedSample], list[EncodedSample]]:
         """(micro-batches, samples too long for a row, samples held for the next block of the chain:
-        only with ``hold``, those of the rows beyond a whole number of micro-batches)."""
+        only with ``hold``, those of the rows beyond a whole number of micro-batches and of the rows
+        below the fill floor). Samples that waited already are placed first, so the rest fill the
+        rows around them, and one that waited ``MAX_WAITS`` blocks trains in this one."""
         rng = np.random.default_rng([self.cfg.seed, epoch, rank, block, 1])
         shuffled = [samples[i] for i in rng.permutation(len(samples))]
         cfg = PackingConfig(seq_len=self.cfg.seq_len, micro_batch_size=self.cfg.micro_batch_size, pad_id=pad_id,
                             pack=self.cfg.pack)
-        fits, rows, too_long = plan_block(shuffled, cfg)
-        rows, held = hold_partial(fits, rows, cfg.micro_batch_size, cfg.seq_len, MIN_ROW_FILL) if hold else (rows, [])
+        fits, rows, too_long = plan_block(shuffled, cfg, first={id(s) for s in shuffled if s.waited})
+        must_go = {j for j, s in enumerate(fits) if s.waited >= MAX_WAITS}
+        rows, held = (hold_partial(fits, rows, cfg.micro_batch_size, cfg.seq_len, MIN_ROW_FILL, must_go) if hold
+                      else (rows, []))
+        for s in held:
+            s.waited += 1
         batches = micro_batches(fits, rows, cfg, patch_dim)
         # Packing groups rows by length; shuffle the micro-batches so steps do not trend.
         return [batches[i] for i in rng.permutation(len(batches))], too_long, held
 
 
+MAX_WAITS = 2
+"""Blocks a sample waits for a fuller row at most (a restore reads the count from ``Position.carry``),
+so a row that cannot fill never holds a sample back for long."""
+
 MIN_ROW_FILL = 0.95
-"""Rows emptier than this are held and packed with the next block's samples (a micro-batch's worth
-at most), so only the stream's last rows train part empty."""
+"""Rows emptier than this are held and packed with the next block's samples (up to half a block's
+rows, ``packing.HELD_SHARE``; ``MAX_WAITS`` blocks at most for any sample)."""
 
 LISTED_FILES = 1000
 """A fingerprint lists each file (so a refused restore can say which changed) up to this many."""

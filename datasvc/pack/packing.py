@@ -31,9 +31,10 @@ class PackingConfig:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
 
-def plan_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """Best-fit decreasing bin packing; returns sample indices per row (callers drop > seq_len)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+def plan_rows(lengths: list[int], seq_len: int, first: set[int] = frozenset()) -> list[list[int]]:
+    """Best-fit decreasing bin packing; returns sample indices per row (callers drop > seq_len).
+    The samples of ``first`` are placed before the rest, so the rest fill the rows around them."""
+    order = sorted(range(len(lengths)), key=lambda i: (i not in first, -lengths[i], i))
     rows: list[list[int]] = []
     free: list[int] = []
     for i in order:
@@ -111,26 +112,33 @@ def _frame_sizes(samples: list[EncodedSample], patch_dim: int) -> np.ndarray | N
                            else grid_hw(s.image_grid_thw, patch) for s in samples]).astype(np.int64)
 
 
-def plan_block(samples: list[EncodedSample], cfg: PackingConfig
+def plan_block(samples: list[EncodedSample], cfg: PackingConfig, first: set[int] = frozenset()
                ) -> tuple[list[EncodedSample], list[list[int]], list[EncodedSample]]:
-    """A block's samples -> (those that fit a row, their rows as indices into them, those too long)."""
+    """A block's samples -> (those that fit a row, their rows as indices into them, those too long);
+    ``first``: ids of samples to place before the rest."""
     fits = [s for s in samples if s.num_tokens <= cfg.seq_len]
     too_long = [s for s in samples if s.num_tokens > cfg.seq_len]
-    rows = plan_rows([s.num_tokens for s in fits], cfg.seq_len) if cfg.pack else [[i] for i in range(len(fits))]
+    placed_first = {j for j, s in enumerate(fits) if id(s) in first}
+    rows = (plan_rows([s.num_tokens for s in fits], cfg.seq_len, placed_first) if cfg.pack
+            else [[i] for i in range(len(fits))])
     return fits, rows, too_long
 
 
 def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_size: int, seq_len: int = 0,
-                 min_fill: float = 0.0) -> tuple[list[list[int]], list[EncodedSample]]:
+                 min_fill: float = 0.0, must_go: set[int] = frozenset()
+                 ) -> tuple[list[list[int]], list[EncodedSample]]:
     """Rows that fill whole micro-batches, and the samples of the rest, to be packed with the next
     block's samples: the emptiest ``len(rows) % micro_batch_size`` rows, which would otherwise leave
     row slots empty, and the rows below ``min_fill`` of ``seq_len``, in whole micro-batches. Those
     wait up to half the block's rows (a micro-batch's worth at least), so data whose rows cannot
-    fill never stalls and the samples carried stay bounded (about one block's new samples at most)."""
+    fill never stalls and the samples carried stay bounded (about one block's new samples at most).
+    Rows holding a sample of ``must_go`` (indices into ``fits``: samples that waited long enough)
+    wait last for whole micro-batches and never for the floor."""
     tokens = [sum(fits[i].num_tokens for i in row) for row in rows]
-    order = sorted(range(len(rows)), key=lambda r: (tokens[r], -r))
+    late = [any(i in must_go for i in row) for row in rows]
+    order = sorted(range(len(rows)), key=lambda r: (late[r], tokens[r], -r))
     extra = len(rows) % micro_batch_size
-    emptier = sum(1 for r in order[extra:] if tokens[r] < min_fill * seq_len)
+    emptier = sum(1 for r in order[extra:] if not late[r] and tokens[r] < min_fill * seq_len)
     if emptier:
         most = max(micro_batch_size, (len(rows) - extra) // HELD_SHARE // micro_batch_size * micro_batch_size)
         extra += min(-(-emptier // micro_batch_size) * micro_batch_size, most)

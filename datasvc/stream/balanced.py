@@ -110,7 +110,7 @@ class BalancedProducer:
             for j, (batch, (_, src)) in enumerate(zip(made, mine)):
                 m = s * self.k + j
                 if m >= self.start.step:
-                    pos = Position(src.epoch, src.block, src.batch, m)
+                    pos = Position(src.epoch, src.block, src.batch, m, oldest=src.oldest)
                     self._hand_out(batch, pos)
                     yield batch, pos
 
@@ -196,4 +196,4 @@ class BalancedProducer:
         with self._lock:
             self.acct.delivered += len(batch.sample_keys)
             self.stream.add_batch(batch, self.spec.merge_size)
-            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1)
+            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1, oldest=pos.oldest)

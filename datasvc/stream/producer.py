@@ -198,7 +198,8 @@ class BlockProducer:
         self.budget = FailureBudget(cfg.budget.max_consecutive_rejections, cfg.budget.max_rejection_rate,
                                     cfg.budget.rejection_rate_min_samples)
         self._held: list = []  # samples of the rows the last block held for the next one
-        self._carry_in = self.start.carry  # (epoch, ordinal) of the samples held into the current chain
+        self._carry_in = self.start.carry  # (epoch, ordinal[, waited]) of the samples held into the current chain
+        self._carried_waits = {(c[0], c[1]): c[2] for c in self.start.carry if len(c) > 2}  # read again on restore
         self._packed_any = False
         self._unsent = 0  # samples in packed micro-batches not handed out yet
         self._packing = 0  # samples of the block being packed (read, not packed yet)
@@ -249,7 +250,7 @@ class BlockProducer:
             if self.sources:
                 self.sources.add_delivered(batch.sample_keys)
             self.stream.add_batch(batch, self.spec.merge_size)
-            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1, pos.carry)
+            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1, pos.carry, pos.oldest)
 
     # ---- planning ----------------------------------------------------------------------------
     def _schedule(self):
@@ -261,7 +262,7 @@ class BlockProducer:
         spanning = self.cfg.blocks_span_epochs and self.plan.items_per_epoch(self.rank) > 0
         blocks = self.plan.spanning_blocks(self.rank, first) if spanning else self._epoch_blocks(first)
         current = next(blocks, None)
-        carried = [self.plan.sample_item(e, o) for e, o in self.start.carry]
+        carried = [self.plan.sample_item(c[0], c[1]) for c in self.start.carry]
         while current is not None:
             following = next(blocks, None)
             epoch, block, items = current
@@ -339,6 +340,9 @@ class BlockProducer:
         with self._lock:
             for item, r in zip(items, results):
                 mark_samples(item, r.samples)
+                if self._carried_waits:
+                    for s in r.samples:
+                        s.waited = self._carried_waits.pop((s.epoch, s.ordinal), s.waited)
                 samples.extend(r.samples)
                 self.acct.merge(r.accounting)
                 if self.sources:
@@ -350,9 +354,11 @@ class BlockProducer:
         for item, r in zip(items, results):
             self.budget.observe(item, r, self.acct, self.rank)
         if block % self.cfg.chain_blocks == 0 and self._packed_any:  # a chain starts with what the last one held
-            self._carry_in = tuple((s.epoch, s.ordinal) for s in self._held)
+            self._carry_in = tuple((s.epoch, s.ordinal, s.waited) if s.waited else (s.epoch, s.ordinal)
+                                   for s in self._held)
         self._packed_any = True
         t0 = time.perf_counter()
+        oldest = min((s.epoch for s in self._held + samples), default=epoch)
         batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
                                                        self.spec.patch_dim, hold=not ends_stream)
         with self._lock:
@@ -374,6 +380,6 @@ class BlockProducer:
                 for b in batches[:skip]:
                     self.sources.add_delivered(b.sample_keys)
             self._unsent += sum(len(b.sample_keys) for b in batches[skip:])
-        out = [(batch, Position(epoch, block, i, step + i - skip, self._carry_in))
+        out = [(batch, Position(epoch, block, i, step + i - skip, self._carry_in, oldest))
                for i, batch in enumerate(batches) if i >= skip]
         return Block(epoch, block, out)
