@@ -101,6 +101,11 @@ class CudaGraphConfig:
         "the vision tower as CUDA graphs at one fixed length (--mbs x --seq-len x 4 patches, padding masked, "
         "each image attending within itself); --strategy 3d only"))
 
+    @property
+    def captures(self) -> bool:
+        """Whether any part of the model is captured as CUDA graphs."""
+        return bool(self.scope or self.static_shapes)
+
     def vision_length(self, mbs: int, seq_len: int, merge: int = 2) -> int:
         """The fixed number of vision patches the tower's graphs take."""
         return mbs * seq_len * merge * merge

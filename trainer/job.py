@@ -351,7 +351,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
              len(job.data_cfg.shards), cfg.train.seq_len, cfg.train.mbs, cfg.train.gbs)
     # Ranks are placed first, so GPU-decoding data actors can only take what the ranks leave.
     group = WorkerGroup(world, use_gpu=job.backend == "megatron", gpu_per_rank=job.gpu_per_rank,
-                        env=rank_env(cfg.train.expandable_segments, bool(cfg.cuda_graph.scope or cfg.cuda_graph.static_shapes)), loopback=job.loopback)
+                        env=rank_env(cfg.train.expandable_segments, cfg.cuda_graph.captures), loopback=job.loopback)
     services = []
     try:  # each DP rank's feeder and actors on the node of its ranks, so batches stay on the node
         restore = job.resume.loader if job.resume else None

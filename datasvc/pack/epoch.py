@@ -193,13 +193,12 @@ class EpochPlan:
                    ) -> tuple[list[PackedBatch], list[EncodedSample], list[EncodedSample]]:
         """(micro-batches, samples too long for a row, samples held for the next block of the chain:
         only with ``hold``, those of the rows beyond a whole number of micro-batches and of the rows
-        below the fill floor). Samples that waited already are placed first, so the rest fill the
-        rows around them, and one that waited ``MAX_WAITS`` blocks trains in this one."""
+        below the fill floor). A sample that waited ``MAX_WAITS`` blocks trains in this one."""
         rng = np.random.default_rng([self.cfg.seed, epoch, rank, block, 1])
         shuffled = [samples[i] for i in rng.permutation(len(samples))]
         cfg = PackingConfig(seq_len=self.cfg.seq_len, micro_batch_size=self.cfg.micro_batch_size, pad_id=pad_id,
                             pack=self.cfg.pack)
-        fits, rows, too_long = plan_block(shuffled, cfg, first={id(s) for s in shuffled if s.waited})
+        fits, rows, too_long = plan_block(shuffled, cfg)
         must_go = {j for j, s in enumerate(fits) if s.waited >= MAX_WAITS}
         rows, held = (hold_partial(fits, rows, cfg.micro_batch_size, cfg.seq_len, MIN_ROW_FILL, must_go) if hold
                       else (rows, []))

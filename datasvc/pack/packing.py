@@ -112,14 +112,14 @@ def _frame_sizes(samples: list[EncodedSample], patch_dim: int) -> np.ndarray | N
                            else grid_hw(s.image_grid_thw, patch) for s in samples]).astype(np.int64)
 
 
-def plan_block(samples: list[EncodedSample], cfg: PackingConfig, first: set[int] = frozenset()
+def plan_block(samples: list[EncodedSample], cfg: PackingConfig
                ) -> tuple[list[EncodedSample], list[list[int]], list[EncodedSample]]:
-    """A block's samples -> (those that fit a row, their rows as indices into them, those too long);
-    ``first``: ids of samples to place before the rest."""
+    """A block's samples -> (those that fit a row, their rows as indices into them, those too long).
+    Samples that waited for a fuller row already are placed first, so the rest fill the rows around them."""
     fits = [s for s in samples if s.num_tokens <= cfg.seq_len]
     too_long = [s for s in samples if s.num_tokens > cfg.seq_len]
-    placed_first = {j for j, s in enumerate(fits) if id(s) in first}
-    rows = (plan_rows([s.num_tokens for s in fits], cfg.seq_len, placed_first) if cfg.pack
+    waited = {j for j, s in enumerate(fits) if s.waited}
+    rows = (plan_rows([s.num_tokens for s in fits], cfg.seq_len, waited) if cfg.pack
             else [[i] for i in range(len(fits))])
     return fits, rows, too_long
 

@@ -218,8 +218,8 @@ def train_one(args, setting, work_dir: str) -> dict:
         prepared_dataset(setting, work_dir)
     meter = ProcessTreeMeter().start()
     t0 = time.time()
-    env = rank_env(cfg.train.expandable_segments, bool(cfg.cuda_graph.scope))
-    group = WorkerGroup(world, use_gpu=True, gpu_per_rank=job.gpu_per_rank, env=env)
+    group = WorkerGroup(world, use_gpu=True, gpu_per_rank=job.gpu_per_rank,
+                        env=rank_env(cfg.train.expandable_segments, cfg.cuda_graph.captures))
     service = None
     try:
         meter.set_ranks(ray.get([a.run.remote(os.getpid) for a in group.actors]))
