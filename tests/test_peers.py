@@ -275,6 +275,21 @@ def test_repeats_pool_as_totals_over_totals():
     assert "| 50 +- " in text and "did not finish: ['timeout']" in text
 
 
+def test_the_train_report_holds_the_cases_and_the_command_as_typed(tmp_path, monkeypatch, capsys):
+    """The printed table has a row per path and MBS, none for the provenance stamp's sections."""
+    from trainer.bench import peers, peers_train
+    from trainer.bench.peers_report import pooled
+
+    case = {"path": "vlmfeed-cpu", "mbs": 2, "steady_blocks": {"tokens": [100.0, 100.0], "seconds": [1.0, 1.0]}}
+    monkeypatch.setattr(peers_train, "train_all", lambda *a: {"mbs2": {"vlmfeed-cpu": pooled([case])}})
+    argv = ["train", "--paths", "vlmfeed-cpu", "--out", str(tmp_path)]
+    assert peers.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[:2] for row in rows[1:]] == [["| 2", "vlmfeed-cpu"]]
+    rep = json.loads((tmp_path / "bench-peers-train.json").read_text())
+    assert rep["command"] == "vlmfeed bench peers " + " ".join(argv) and "defaults" in rep
+
+
 def test_the_side_by_side_figure_draws_from_the_recorded_h200_runs(tmp_path):
     from trainer.bench import peers_plot
 

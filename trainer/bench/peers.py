@@ -376,7 +376,9 @@ def default_workers(path: str, cores: int, given: int | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    command = "vlmfeed bench peers " + " ".join(argv)
     if args.cmd == "duplication":
         print(json.dumps(duplication(), indent=1))
         return 0
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("train", "train-one"):
         from trainer.bench.peers_train import train_main
 
-        return train_main(args, _setting(args), _work_dir(args), _setting_args(args), _setting_args)
+        return train_main(args, _setting(args), _work_dir(args), _setting_args(args), _setting_args, command)
     rep = {"data_alone": data_all(args)}
     if args.cmd == "all":
         from trainer.bench.peers_train import train_all
@@ -399,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.bench import trainer_defaults
     from trainer.bench.peers_train import QUESTION
 
-    rep = stamp(rep, QUESTION, "vlmfeed bench peers " + " ".join(sys.argv[1:] if argv is None else argv),
-                trainer_defaults())
+    rep = stamp(rep, QUESTION, command, trainer_defaults())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)

@@ -417,18 +417,19 @@ def _has_gpu() -> bool:
 QUESTION = "How does vlmfeed compare with what I would use instead?"
 
 
-def train_main(args, setting, work_dir: str, setting_args: list[str], setting_args_of) -> int:
+def train_main(args, setting, work_dir: str, setting_args: list[str], setting_args_of, command: str) -> int:
     from datasvc.tools.bench.provenance import stamp
     from trainer.bench import trainer_defaults
 
-    command = "vlmfeed bench peers " + " ".join(sys.argv[1:])
     if args.cmd == "train":
-        rep = stamp(train_all(args, setting, setting_args, setting_args_of), QUESTION, command, trainer_defaults())
+        result = train_all(args, setting, setting_args, setting_args_of)
+        rep = stamp(result, QUESTION, command, trainer_defaults())
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "bench-peers-train.json")
         with open(path, "w") as f:
             json.dump(rep, f, indent=1)
-        found = {k: v for k, v in rep.items() if isinstance(v, dict)}
+        # The grids are the cases' own keys; the provenance stamp's sections are not cases.
+        found = {k: v for k, v in result.items() if isinstance(v, dict)}
         grids = found if found and all(not k.startswith("mbs") for k in found) else {"": found}
         for name, grid in grids.items():
             if grid and "skipped" not in grid:
