@@ -61,7 +61,7 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         p.add_argument("--deadline", type=float, default=None,
                        help="seconds from start after which no case starts and a running one is cut short")
         p.add_argument("--min-case-s", type=int, default=120, help="no case starts with less time than this "
-                                                                   "left before the deadline")
+                       "left before the deadline, nor with less than the longest case it finished took")
         p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "peers-train"))
         if name != "train-one":
             p.add_argument("--paths", nargs="+", default=list(paths), choices=paths)
@@ -333,6 +333,7 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
 
     os.makedirs(args.out, exist_ok=True)
     out: dict = {}
+    walls: list[float] = []  # of the cases finished by this command: what the next one likely needs
     for mbs in args.mbs_list:
         runs: dict[str, list] = {p: [] for p in args.paths}
         for repeat in range(args.repeats):
@@ -346,8 +347,9 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
                 timeout = args.case_timeout
                 if args.deadline is not None:
                     timeout = min(timeout, int(args.deadline - (time.time() - start)))
-                    if timeout < args.min_case_s:
-                        print(f"[peers] {name}: not started (deadline); rerun the command to go on", flush=True)
+                    if timeout < time_needed(args.min_case_s, walls):
+                        print(f"[peers] {name}: not started ({timeout} s to the deadline, a case here takes about "
+                              f"{time_needed(args.min_case_s, walls):.0f} s); rerun the command to go on", flush=True)
                         continue
                 cmd = [sys.executable, "-m", "trainer.bench.peers", "train-one", "--path", path, "--json", done,
                        "--repeat", str(repeat), *_with_mbs(setting_args, case_mbs), *_case_args(args)]
@@ -359,6 +361,7 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
                     shutil.copyfile(steps, os.path.join(args.out, name + ".steps.jsonl"))
                 if rc == 0 and os.path.exists(done):
                     runs[path].append(json.load(open(done)))
+                    walls.append(time.time() - t0)
                 else:
                     runs[path].append(_partial(path, rc, os.path.join(args.out, name, "metrics.jsonl"), time.time() - t0))
                 print(f"[peers] {name}: " + json.dumps({k: runs[path][-1].get(k) for k in (
@@ -368,6 +371,17 @@ def train_grid(args, setting_args: list[str], start: float) -> dict:
         ratios(cases)
         out[f"mbs{mbs}"] = cases
     return out
+
+
+# A case started with less time than the longest finished one took, give or take this share, would be
+# cut before its last step, and a case cut short is run again whole by the next command.
+CASE_TIME_MARGIN = 1.15
+
+
+def time_needed(min_case_s: float, walls: list[float]) -> float:
+    """The time a case should have left before it starts: ``min_case_s``, or more where the cases
+    this command finished took longer."""
+    return max([min_case_s, *(CASE_TIME_MARGIN * w for w in walls)])
 
 
 def _case_args(args) -> list[str]:
