@@ -314,6 +314,7 @@ def test_steady_cpu_leaves_start_up_out():
     end = {"data_workers": 57.0, "ray_system": 5.5, "driver": 3.5, "rank": 150.0}
     out = steady_cpu(end, start, 10)
     assert out["steady_data_cpu_s"] == 8.0 and out["steady_cpu_s_per_trained_sample"] == 0.8  # the rank's left out
+    assert out["steady_cpu_s_by_kind"] == {"data_workers": 7.0, "ray_system": 0.5, "driver": 0.5}
     assert steady_cpu(end, None, 10)["steady_cpu_s_per_trained_sample"] is None
     run = {"path": "p", "steady_blocks": {"tokens": [1.0], "seconds": [1.0]}, **out}
     assert pooled([run, run])["steady_cpu_s_per_trained_sample"] == 0.8
