@@ -325,10 +325,10 @@ def test_a_case_that_cannot_finish_before_the_deadline_is_left_for_the_next_comm
     and run again whole by the next command."""
     import argparse
 
-    from trainer.bench import peers_train
+    from trainer.bench import peers_grid
 
     clock = [1000.0]
-    monkeypatch.setattr(peers_train.time, "time", lambda: clock[0])
+    monkeypatch.setattr(peers_grid.time, "time", lambda: clock[0])
 
     def run_case(cmd, timeout):
         clock[0] += 150
@@ -336,13 +336,13 @@ def test_a_case_that_cannot_finish_before_the_deadline_is_left_for_the_next_comm
         Path(done).write_text(json.dumps({"path": cmd[cmd.index("--path") + 1], "wall_s": 150}))
         return 0
 
-    monkeypatch.setattr(peers_train, "_run", run_case)
+    monkeypatch.setattr(peers_grid, "run_case", run_case)
     args = argparse.Namespace(out=str(tmp_path), mbs_list=[2], repeats=1, paths=["vlmfeed-cpu", "energon-packed"],
                               padded_mbs=None, case_timeout=600, deadline=290, min_case_s=120, strategy="3d",
                               iters=200, world_size=1, tp=1, proxy="depth", recompute="none", workers=None,
                               cores=8)
-    peers_train.train_grid(args, ["--mbs", "2"], clock[0])
+    peers_grid.train_grid(args, ["--mbs", "2"], clock[0])
     assert (tmp_path / "vlmfeed-cpu-mbs2-r0.json").exists()
     assert not (tmp_path / "energon-packed-mbs2-r0.json").exists()
     assert "energon-packed-mbs2-r0: not started (140 s to the deadline" in capsys.readouterr().out
-    assert peers_train.time_needed(120, []) == 120 and peers_train.time_needed(120, [150]) == pytest.approx(172.5)
+    assert peers_grid.time_needed(120, []) == 120 and peers_grid.time_needed(120, [150]) == pytest.approx(172.5)

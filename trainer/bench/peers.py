@@ -41,7 +41,8 @@ import time
 from datasvc.batch import TrainBatch
 from datasvc.usage import HelpFormatter
 from trainer.bench.peers_data import IN_RANK, PATHS, STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
-from trainer.bench.peers_measure import Clock, ProcessTreeMeter, ratio
+from trainer.bench.peers_grid import run_case
+from trainer.bench.peers_measure import Clock, ProcessTreeMeter, has_gpu, ratio
 
 BASELINE = "vlmfeed-cpu"
 
@@ -202,7 +203,7 @@ def data_all(args) -> dict:
     """Each path alone in its own process; the ratios of each to vlmfeed's CPU path."""
     results = {}
     for name in args.paths:
-        if name == "vlmfeed-gpu" and not _has_gpu():
+        if name == "vlmfeed-gpu" and not has_gpu():
             results[name] = {"path": name, "skipped": "needs a CUDA GPU (GPU decode)"}
             continue
         with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
@@ -211,7 +212,7 @@ def data_all(args) -> dict:
             if args.workers:
                 cmd += ["--workers", str(args.workers)]
             print(f"[peers] data alone: {name} on {args.cores} cores", flush=True)
-            rc = _run(cmd, args.case_timeout)
+            rc = run_case(cmd, args.case_timeout)
             # The report is written before teardown: a process that fails after it still counts.
             results[name] = json.load(open(out.name)) if os.path.getsize(out.name) else {"path": name}
             if rc != 0:
@@ -228,21 +229,6 @@ def data_all(args) -> dict:
                 r["cpu_s_per_sample_without_consumer"] / base["cpu_s_per_sample_without_consumer"], 3)
     return {"cores": args.cores, "setting": _setting_dict(args), "paths": results,
             "duplication": duplication(results)}
-
-
-def _run(cmd: list[str], timeout: int):
-    from trainer.bench.peers_train import _run as run_killing_its_group
-
-    return run_killing_its_group(cmd, timeout)
-
-
-def _has_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(args, _setting(args), _work_dir(args), _setting_args(args), _setting_args, command)
     rep = {"data_alone": data_all(args)}
     if args.cmd == "all":
-        from trainer.bench.peers_train import train_all
+        from trainer.bench.peers_grid import train_all
 
         rep["training"] = train_all(args, _setting(args), _setting_args(args), _setting_args)
         args.out = os.path.join(args.out, "bench-peers.json")

@@ -248,9 +248,19 @@ def steady_cpu(cpu_end: dict, cpu_at_steady: dict | None, steady_samples: int) -
     imports, the first read-ahead) left out."""
     if not cpu_at_steady or not steady_samples:
         return {"steady_data_cpu_s": None, "steady_cpu_s_per_trained_sample": None}
-    by_kind = {k: round(cpu_end[k] - cpu_at_steady[k], 2) for k in DATA_KINDS}
-    spent = sum(cpu_end[k] - cpu_at_steady[k] for k in DATA_KINDS)
+    by_kind = {k: cpu_end[k] - cpu_at_steady[k] for k in DATA_KINDS}
+    spent = sum(by_kind.values())
     return {"steady_data_cpu_s": round(spent, 2), "steady_samples_trained": steady_samples,
             "steady_cpu_s_per_trained_sample": round(spent / steady_samples, 4),
             # where the steady share goes: the data path's own processes, Ray's, or the case process
-            "steady_cpu_s_by_kind": by_kind}
+            "steady_cpu_s_by_kind": {k: round(v, 2) for k, v in by_kind.items()}}
+
+
+def has_gpu() -> bool:
+    """Whether this process can use a CUDA GPU (False where torch is not installed)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
