@@ -44,6 +44,16 @@ class Position:
         return {"epoch": self.epoch, "block": self.block, "batch": self.batch, "step": self.step,
                 "carry": [list(c) for c in self.carry], **({"oldest": self.oldest} if self.oldest is not None else {})}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Position":
+        """``as_dict``'s form back, from a mapping that may hold other keys too (a saved loader state);
+        positions saved before ``carry`` or ``oldest`` existed leave them empty."""
+        return cls(d["epoch"], d["block"], d["batch"], d["step"], tuple(d.get("carry", ())), d.get("oldest"))
+
+    def moved(self, batches: int) -> "Position":
+        """The position ``batches`` micro-batches on (or back) within the same block."""
+        return replace(self, batch=self.batch + batches, step=self.step + batches)
+
     @property
     def in_flight_from(self) -> int:
         return self.epoch if self.oldest is None else min(self.epoch, self.oldest)

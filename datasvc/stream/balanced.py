@@ -196,4 +196,4 @@ class BalancedProducer:
         with self._lock:
             self.acct.delivered += len(batch.sample_keys)
             self.stream.add_batch(batch, self.spec.merge_size)
-            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1, oldest=pos.oldest)
+            self._next = pos.moved(1)

@@ -34,22 +34,17 @@ class LoaderState:
               dataset: dict | None = None, remainder: dict | None = None) -> "LoaderState":
         """The state that resumes right after the micro-batch at position ``delivered`` (None: from the
         start), keeping the trained samples of the epochs a resume at another DP size still deals."""
-        pos = delivered or {"epoch": 0, "block": 0, "batch": -1, "step": -1}
-        after = Position(pos["epoch"], pos["block"], pos["batch"] + 1, pos["step"] + 1, tuple(pos.get("carry", ())),
-                         pos.get("oldest"))
+        after = Position.from_dict(delivered).moved(1) if delivered else Position()
         return cls(fingerprint, dp_rank, after, trained.since(after.in_flight_from - KEPT_EPOCHS), dataset, remainder)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoaderState":
         """The saved form back (states saved before a field existed leave it empty)."""
-        position = Position(d["epoch"], d["block"], d["batch"], d["step"], tuple(d.get("carry", ())), d.get("oldest"))
-        return cls(d.get("fingerprint", ""), d.get("dp_rank", -1), position, TrainedSamples.from_state(d.get("trained")),
-                   d.get("dataset"), d.get("remainder"))
+        return cls(d.get("fingerprint", ""), d.get("dp_rank", -1), Position.from_dict(d),
+                   TrainedSamples.from_state(d.get("trained")), d.get("dataset"), d.get("remainder"))
 
     @property
     def last_delivered(self) -> dict:
         """The position of the micro-batch before ``position`` (the last one trained), as a client
         reports ``last_position``."""
-        p = self.position
-        return {"epoch": p.epoch, "block": p.block, "batch": p.batch - 1, "step": p.step - 1,
-                "carry": [list(c) for c in p.carry], **({"oldest": p.oldest} if p.oldest is not None else {})}
+        return self.position.moved(-1).as_dict()

@@ -250,7 +250,7 @@ class BlockProducer:
             if self.sources:
                 self.sources.add_delivered(batch.sample_keys)
             self.stream.add_batch(batch, self.spec.merge_size)
-            self._next = Position(pos.epoch, pos.block, pos.batch + 1, pos.step + 1, pos.carry, pos.oldest)
+            self._next = pos.moved(1)
 
     # ---- planning ----------------------------------------------------------------------------
     def _schedule(self):
