@@ -358,8 +358,9 @@ class BlockProducer:
                                    for s in self._held)
         self._packed_any = True
         t0 = time.perf_counter()
-        oldest = min((s.epoch for s in self._held + samples), default=epoch)
-        batches, too_long, held = self.plan.pack_block(self._held + samples, epoch, self.rank, block, self.pad_id,
+        to_pack = self._held + samples
+        oldest = min((s.epoch for s in to_pack), default=epoch)
+        batches, too_long, held = self.plan.pack_block(to_pack, epoch, self.rank, block, self.pad_id,
                                                        self.spec.patch_dim, hold=not ends_stream)
         with self._lock:
             self._held, self._packing = held, 0
