@@ -58,6 +58,7 @@ MAX_ACTOR_METHODS = 5
 # floor and those below, never a later stage; every product module of datasvc has a floor.
 DATA_FLOORS = {
     "datasvc.usage": 0, "datasvc.flags": 0, "datasvc.rejects": 0, "datasvc.batch": 0, "datasvc.stats": 0,  # the types stages share
+    "datasvc.host": 0,  # where a process runs
     "datasvc.members": 0, "datasvc.remainder": 0, "datasvc.samples": 0,
     "datasvc.read": 1,
     "datasvc.media": 2,

@@ -1,6 +1,7 @@
 """Trainer orchestration: rank layout, packed-row splitting, and the whole job under `ray job submit`."""
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -126,6 +127,9 @@ def test_ray_job_submit_trains_on_cpu(tmp_path, photo_shards):
         assert len(compute) == 2 and len(line["rank_vision_patches"]) == 2 and min(line["rank_vision_patches"]) > 0
         assert line["straggler_ratio"] == pytest.approx(max(compute) / (sum(compute) / 2), rel=1e-2, abs=2e-3)
     assert summary["straggler_ratio"] >= 1.0
+    # The machines that trained it, per host: both ranks here, the CPU and the stack's versions.
+    (host,) = summary["machines"]
+    assert host["ranks"] == [0, 1] and host["cores"] >= 1 and host["cpu"] and host["software"]["torch"]
 
 
 @pytest.mark.parametrize("flag", ["--chain-blocks", "--block-micro-batches", "--items-per-block"])
@@ -217,8 +221,20 @@ def test_worker_group_starts_ranks_with_its_env(ray_local):
     group = WorkerGroup(2, use_gpu=False, cpus_per_rank=0.1, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     try:
         assert group.run_all(os.getenv, [("PYTORCH_CUDA_ALLOC_CONF",)] * 2) == ["expandable_segments:True"] * 2
+        (host,) = group.machines  # both ranks on this host, recorded once
+        assert host["ranks"] == [0, 1] and host["host"] == platform.node() and host["gpus"] == []
     finally:
         group.shutdown()
+
+
+def test_machines_fold_per_host_with_each_gpu_once():
+    from trainer.workers import by_host
+
+    gpu = {"name": "H200", "uuid": "GPU-a"}
+    facts = [{"host": "a", "gpus": [gpu]}, {"host": "b", "gpus": []}, {"host": "a", "gpus": [gpu, {"uuid": "GPU-b"}]}]
+    a, b = by_host(facts)
+    assert (a["ranks"], b["ranks"]) == ([0, 2], [1])
+    assert a["gpus"] == [gpu, {"uuid": "GPU-b"}] and b["gpus"] == []
 
 
 def test_a_stopped_stream_counts_every_sample_read_restored_or_not(photo_shards):

@@ -2,8 +2,8 @@
 service config), and the launch (trainer ranks on Ray, fed by the data service).
 
 ``build_job(args)`` checks everything it can before Ray starts, then connects, sizes the job to the
-cluster and returns a ``Job``; ``launch(job)`` runs it and returns the last rank's step records and
-the data service's statistics. ``rank_main`` is what each trainer actor runs.
+cluster and returns a ``Job``; ``launch(job)`` runs it and returns the last rank's step records,
+the data service's statistics and the machines the ranks ran on. ``rank_main`` is what each trainer actor runs.
 """
 from __future__ import annotations
 
@@ -337,8 +337,9 @@ def rank_env(expandable_segments: bool, cuda_graphs: bool = False) -> dict[str, 
     return env
 
 
-def launch(job: Job) -> tuple[list[dict], dict, float]:
-    """Run the job: (the reporting rank's step records, the data service's stats, wall seconds).
+def launch(job: Job) -> tuple[list[dict], dict, float, list[dict]]:
+    """Run the job: (the reporting rank's step records, the data service's stats, wall seconds, the
+    machines the ranks ran on, per host).
     A SIGTERM to this process (what Slurm, Kubernetes and ``ray job stop`` send) asks the ranks to
     save at the next step boundary and stop; the run then ends normally."""
     import ray
@@ -376,7 +377,7 @@ def launch(job: Job) -> tuple[list[dict], dict, float]:
         for svc in services:
             svc.shutdown()
         ray.kill(control)
-    return next((r for r in results if r), []), data_stats, time.time() - t0
+    return next((r for r in results if r), []), data_stats, time.time() - t0, group.machines
 
 
 def data_nodes(job: Job, rank_nodes: list[str]) -> dict[int, str]:

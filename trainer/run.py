@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from datasvc.host import commit
 from datasvc.usage import HelpFormatter, UserError
 from trainer.config import add_cli_args
 from trainer.job import add_job_args, build_job, launch
@@ -46,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         job = build_job(args)
     except UserError as exc:
         raise SystemExit(f"python -m trainer.run: {exc}") from None
-    records, data_stats, wall_s = launch(job)
-    summary = {**summarize(records, data_stats, job.backend, job.world, wall_s), **job.describe()}
+    records, data_stats, wall_s, machines = launch(job)
+    summary = {**summarize(records, data_stats, job.backend, job.world, wall_s), **job.describe(),
+               "commit": commit(), "machines": machines}
     with open(os.path.join(job.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     draw_run(job.metrics_path, os.path.join(job.out, "loss.png"))
-    print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("data", "machines")}, indent=2))
     ck = job.cfg.checkpoint
     print("wrote:\n  " + "\n  ".join(os.path.abspath(p) if "://" not in p else p
                                      for p in written(job.out, ck.save, ck.export_hf)))

@@ -60,6 +60,12 @@ class TrainerWorker:
         return (ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()],
                 ray.get_runtime_context().get_node_id())
 
+    def machine(self) -> dict:
+        """This rank's host, CPU, GPUs and software (``datasvc.host.machine``)."""
+        from datasvc.host import machine
+
+        return machine()
+
     def free_port(self) -> int:
         for port in range(*PORT_RANGE):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -120,6 +126,7 @@ class WorkerGroup:
         ray.get([a.setup.remote(r, world, local[r], master_addr, master_port, extra_env)
                  for r, a in enumerate(self.actors)])
         self.world = world
+        self.machines = by_host(ray.get([a.machine.remote() for a in self.actors]))
 
     def run_all(self, fn, per_rank_args: list[tuple]) -> list:
         """All ranks at once (collectives need every rank inside ``fn`` together). Waits in short
@@ -136,3 +143,14 @@ class WorkerGroup:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
+
+
+def by_host(facts: list[dict]) -> list[dict]:
+    """Each rank's ``machine()`` (in rank order) folded per host: the ranks on it and every GPU they
+    see, once; what a run summary records of the machines that trained it."""
+    hosts: dict[str, dict] = {}
+    for rank, f in enumerate(facts):
+        h = hosts.setdefault(f["host"], {**f, "ranks": [], "gpus": []})
+        h["ranks"].append(rank)
+        h["gpus"] += [g for g in f["gpus"] if g not in h["gpus"]]
+    return list(hosts.values())

@@ -250,7 +250,7 @@ def train_one(args, setting, work_dir: str) -> dict:
     data_cpu = sum(cpu[k] for k in DATA_KINDS)
     return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, "proxy": args.proxy,
             "repeat": args.repeat, "data_cores": len(cores[0]), "rank_cores": len(cores[1]),
-            "workers": workers(args), "recompute": args.recompute, **summary,
+            "workers": workers(args), "recompute": args.recompute, **summary, "machines": group.machines,
             "data_config": service_settings(job.data_cfg) if args.path.startswith("vlmfeed") else None,
             "steady_blocks": block_totals(steady),
             "tokens_per_step": round(sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / len(steady), 1)
