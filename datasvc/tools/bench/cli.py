@@ -4,7 +4,7 @@
     vlmfeed bench service [--max-actors N] [--samples N] [--out results.json]
     vlmfeed bench soak    [--minutes M] [--kill-every S]
     vlmfeed bench sizing  [SHARDS ...] [--probe-samples 64 128 256] [--seeds 8]
-    vlmfeed bench peers   data|train|all|duplication ...   against Megatron-Bridge's loader and Ray Data
+    vlmfeed bench peers   data|train|all|duplication ...   against Bridge's loader, Energon, AutoModel, Ray Data
     vlmfeed bench video   [--formats vp9/webm h264/mp4 ...] [--sizes 640x360 1280x720] [--out results.json]
     vlmfeed bench allocator [--rounds 5] [--out DIR]   the actors' allocator settings against glibc's defaults
 
@@ -48,7 +48,7 @@ OWN_OPTIONS = {
     "isolation": ("datasvc.tools.bench.isolation", "what the integrity checks of a sample's isolation cost"),
     "allocator": ("datasvc.tools.bench.allocator", "the preprocessing actors' allocator settings against glibc's"),
     "checkouts": ("datasvc.tools.bench.checkouts", "the decode and service benches at two commits, alternated"),
-    "peers": ("trainer.bench.peers", "vlmfeed beside Megatron-Bridge's own loader and Ray Data, same shards"),
+    "peers": ("trainer.bench.peers", "vlmfeed beside Megatron-Bridge's own loader, Energon's and AutoModel's packing and Ray Data, same shards"),
 }
 
 
