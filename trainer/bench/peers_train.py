@@ -55,7 +55,8 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank, Ray Data or vlmfeed "
                                                                  "actors (default: --cores, else 8)")
-        p.add_argument("--case-timeout", type=int, default=600)
+        p.add_argument("--case-timeout", type=int, default=1800, help="a case still running after this many "
+                       "seconds is stopped as hung (200 steps of the depth proxy take 10-15 minutes)")
         p.add_argument("--deadline", type=float, default=None,
                        help="seconds from start after which no case starts and a running one is cut short")
         p.add_argument("--min-case-s", type=int, default=120, help="no case starts with less time than this "
