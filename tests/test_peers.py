@@ -186,6 +186,9 @@ def test_each_training_case_is_a_valid_trainer_job(path, setting):
     assert targs.max_pixels == setting.max_pixels and cfg.train.seq_len == setting.seq_len
     assert cfg.recompute.granularity == "none" and targs.num_layers is None  # the depth proxy, as it fits
     assert targs.data_actors == [6, 6]
+    args = _parser().parse_args(["train-one", "--path", path, "--json", "x.json", "--cores", "6",
+                                 "--vlmfeed-actors", "1", "6"])
+    assert parse_args(trainer_argv(args, setting, path, "out")).data_actors == [1, 6]  # autoscaled between
 
 
 ENERGON_PROBE = """
@@ -340,7 +343,7 @@ def test_a_case_that_cannot_finish_before_the_deadline_is_left_for_the_next_comm
     args = argparse.Namespace(out=str(tmp_path), mbs_list=[2], repeats=1, paths=["vlmfeed-cpu", "energon-packed"],
                               padded_mbs=None, case_timeout=600, deadline=290, min_case_s=120, strategy="3d",
                               iters=200, world_size=1, tp=1, proxy="depth", recompute="none", workers=None,
-                              cores=8)
+                              cores=8, vlmfeed_actors=None)
     peers_grid.train_grid(args, ["--mbs", "2"], clock[0])
     assert (tmp_path / "vlmfeed-cpu-mbs2-r0.json").exists()
     assert not (tmp_path / "energon-packed-mbs2-r0.json").exists()

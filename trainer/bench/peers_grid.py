@@ -104,6 +104,7 @@ def _case_args(args) -> list[str]:
     out = ["--strategy", args.strategy, "--iters", str(args.iters), "--world-size", str(args.world_size),
            "--tp", str(args.tp), "--out", args.out, "--proxy", args.proxy, "--recompute", args.recompute]
     out += ["--workers", str(args.workers)] if args.workers else []
+    out += ["--vlmfeed-actors", *map(str, args.vlmfeed_actors)] if args.vlmfeed_actors else []
     return out + (["--cores", str(args.cores)] if args.cores else [])
 
 

@@ -55,6 +55,8 @@ def add_train_parsers(sub, add_setting, paths) -> None:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank, Ray Data or vlmfeed "
                                                                  "actors (default: --cores, else 8)")
+        p.add_argument("--vlmfeed-actors", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                       help="vlmfeed's actors per DP rank, autoscaled between (default: --workers for both)")
         p.add_argument("--case-timeout", type=int, default=1800, help="a case still running after this many "
                        "seconds is stopped as hung (200 steps of the depth proxy take 10-15 minutes)")
         p.add_argument("--deadline", type=float, default=None,
@@ -80,15 +82,19 @@ def workers(args) -> int:
     return args.workers or args.cores or 8
 
 
+def vlmfeed_actors(args) -> tuple[int, int]:
+    """vlmfeed's actors per DP rank, (min, max): as many as the peers' workers unless asked."""
+    return tuple(args.vlmfeed_actors) if args.vlmfeed_actors else (workers(args), workers(args))
+
+
 def trainer_argv(args, setting, path: str, out: str) -> list[str]:
     """``trainer.run``'s options for one case (its job builder then checks and sizes them)."""
     from trainer.bench.peers_data import PADDED
 
-    actors = str(workers(args))
     argv = ["qwen3vl", "--shards", *setting.shards, "--seq-len", str(setting.seq_len), "--mbs", str(setting.mbs),
             "--strategy", args.strategy, "--train-iters", str(args.iters), "--world-size", str(args.world_size),
             "--tp", str(args.tp), "--min-pixels", str(setting.min_pixels), "--max-pixels", str(setting.max_pixels),
-            "--data-actors", actors, actors, "--decode", "gpu" if path == "vlmfeed-gpu" else "cpu",
+            "--data-actors", *map(str, vlmfeed_actors(args)), "--decode", "gpu" if path == "vlmfeed-gpu" else "cpu",
             "--recompute", args.recompute, "--out", out, *PROXIES[args.proxy]]
     if path in PADDED:
         # One sample a row, into the stock qwen3_vl_step. The memory planner sizes every row as a full
@@ -251,7 +257,8 @@ def train_one(args, setting, work_dir: str) -> dict:
     data_cpu = sum(cpu[k] for k in DATA_KINDS)
     return {"path": args.path, "mbs": setting.mbs, "strategy": args.strategy, "world": world, "proxy": args.proxy,
             "repeat": args.repeat, "data_cores": len(cores[0]), "rank_cores": len(cores[1]),
-            "workers": workers(args), "recompute": args.recompute, **summary, "machines": group.machines,
+            "workers": workers(args), "vlmfeed_actors": list(vlmfeed_actors(args)) if args.path.startswith("vlmfeed")
+            else None, "recompute": args.recompute, **summary, "machines": group.machines,
             "data_config": service_settings(job.data_cfg) if args.path.startswith("vlmfeed") else None,
             "steady_blocks": block_totals(steady),
             "tokens_per_step": round(sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / len(steady), 1)
