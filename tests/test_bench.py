@@ -191,3 +191,14 @@ def test_two_checkouts_compare_by_round_and_by_totals():
     assert s["ratio_per_round"] == [1.0, 1.1, 0.9]
     assert s["ratio_mean"] == 1.0 and s["ratio_2se"] == round(2 * 0.1 / 3 ** 0.5, 4)
     assert s["ratio_of_totals"] == round(33.1 / 33.0, 4)
+
+
+def test_the_train_bench_reads_the_main_commands_tokens_per_s_from_a_checkout(tmp_path):
+    """``checkouts --benches train`` runs ``trainer.run qwen3vl`` in a checkout's tree, with the extra
+    options given, and reads the run's steady tokens/s (here the CPU path, on this tree)."""
+    from datasvc.tools.bench.checkouts import run_bench
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    value = run_bench(root, "train", str(tmp_path), "base-round1", ["--train-iters", "3", "--seq-len", "512"])
+    summary = json.loads((tmp_path / "train-base-round1" / "summary.json").read_text())
+    assert summary["steps"] == 3 and value == summary["tokens_per_s"] > 0
