@@ -29,17 +29,6 @@ def cpu_model() -> str:
     return model
 
 
-def cpu_model() -> str:
-    """The host CPU's model name, as /proc/cpuinfo gives it where there is one."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return model
-
-
 GPU_QUERY = ("name", "uuid", "driver_version", "memory.total", "clocks.max.sm", "clocks.applications.graphics",
              "clocks.sm", "power.limit", "power.default_limit", "pstate", "temperature.gpu")
 SOFTWARE = ("torch", "transformer-engine", "megatron-core", "megatron-bridge", "transformers", "ray",

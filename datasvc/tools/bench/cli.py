@@ -47,8 +47,10 @@ OWN_OPTIONS = {
     "planning": ("datasvc.tools.bench.planning", "what planning a balanced step costs a feeder"),
     "isolation": ("datasvc.tools.bench.isolation", "what the integrity checks of a sample's isolation cost"),
     "allocator": ("datasvc.tools.bench.allocator", "the preprocessing actors' allocator settings against glibc's"),
-    "checkouts": ("datasvc.tools.bench.checkouts", "the decode and service benches (and --benches train on a GPU machine) at two commits, alternated"),
-    "peers": ("trainer.bench.peers", "vlmfeed beside Megatron-Bridge's own loader, Energon's and AutoModel's packing and Ray Data, same shards"),
+    "checkouts": ("datasvc.tools.bench.checkouts",
+                  "the decode and service benches (and --benches train on a GPU machine) at two commits, alternated"),
+    "peers": ("trainer.bench.peers",
+              "vlmfeed beside Megatron-Bridge's own loader, Energon's and AutoModel's packing and Ray Data, same shards"),
 }
 
 
