@@ -3,7 +3,8 @@ service config), and the launch (trainer ranks on Ray, fed by the data service).
 
 ``build_job(args)`` checks everything it can before Ray starts, then connects, sizes the job to the
 cluster and returns a ``Job``; ``launch(job)`` runs it and returns the last rank's step records,
-the data service's statistics and the machines the ranks ran on. ``rank_main`` is what each trainer actor runs.
+the data service's statistics and the machines the ranks ran on. ``rank_main`` is what each trainer
+actor runs.
 """
 from __future__ import annotations
 

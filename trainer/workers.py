@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from datasvc.host import machine
 from trainer.rendezvous import LOOPBACK_ADDR, loopback_env
 
 PORT_RANGE = (29500, 30500)
@@ -59,12 +60,6 @@ class TrainerWorker:
         """(node address, GPU ids, Ray node id)."""
         return (ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()],
                 ray.get_runtime_context().get_node_id())
-
-    def machine(self) -> dict:
-        """This rank's host, CPU, GPUs and software (``datasvc.host.machine``)."""
-        from datasvc.host import machine
-
-        return machine()
 
     def free_port(self) -> int:
         for port in range(*PORT_RANGE):
@@ -126,7 +121,7 @@ class WorkerGroup:
         ray.get([a.setup.remote(r, world, local[r], master_addr, master_port, extra_env)
                  for r, a in enumerate(self.actors)])
         self.world = world
-        self.machines = by_host(ray.get([a.machine.remote() for a in self.actors]))
+        self.machines = by_host(ray.get([a.run.remote(machine) for a in self.actors]))
 
     def run_all(self, fn, per_rank_args: list[tuple]) -> list:
         """All ranks at once (collectives need every rank inside ``fn`` together). Waits in short

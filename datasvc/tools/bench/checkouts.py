@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +81,7 @@ def run_bench(tree: str, name: str, out_dir: str, tag: str, extra: list[str]) ->
 
 
 def compare(base: str, head: str, rounds: int, names: list[str], out_dir: str, repo: str,
-            train_args: list[str] = ()) -> dict:
+            train_args: Sequence[str] = ()) -> dict:
     work = tempfile.mkdtemp(prefix="vlmfeed-checkouts-")
     trees = {"base": checkout(repo, base, work), "head": checkout(repo, head, work)}
     figures = {name: {"base": [], "head": []} for name in names}
