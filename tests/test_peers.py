@@ -321,6 +321,9 @@ def test_steady_cpu_leaves_start_up_out():
     assert steady_cpu(end, None, 10)["steady_cpu_s_per_trained_sample"] is None
     run = {"path": "p", "steady_blocks": {"tokens": [1.0], "seconds": [1.0]}, **out}
     assert pooled([run, run])["steady_cpu_s_per_trained_sample"] == 0.8
+    assert pooled([run, run])["steady_worker_cpu_s_per_trained_sample"] == 0.7  # Ray's and the driver's left out
+    older = {k: v for k, v in run.items() if k != "steady_cpu_s_by_kind"}
+    assert pooled([run, older])["steady_worker_cpu_s_per_trained_sample"] is None  # not from a part of the repeats
 
 
 def test_a_case_that_cannot_finish_before_the_deadline_is_left_for_the_next_command(tmp_path, monkeypatch, capsys):

@@ -27,6 +27,11 @@ def pooled(runs: list[dict]) -> dict:
     steady_n = sum(r.get("steady_samples_trained") or 0 for r in finished)
     steady_s = sum(r.get("steady_data_cpu_s") or 0 for r in finished)
     out["steady_cpu_s_per_trained_sample"] = round(steady_s / steady_n, 4) if steady_n else None
+    # The data path's own worker processes alone: Ray's system processes and the case's driver serve
+    # every path here (the ranks are Ray actors), though a peer run by torchrun would not have them.
+    workers_s = sum((r.get("steady_cpu_s_by_kind") or {}).get("data_workers") or 0 for r in finished)
+    out["steady_worker_cpu_s_per_trained_sample"] = (
+        round(workers_s / steady_n, 4) if steady_n and all("steady_cpu_s_by_kind" in r for r in finished) else None)
     for key in ("mbs", "tokens_per_step", "data_wait_share", "real_token_fraction", "tflops_per_gpu",
                 "peak_mem_gib", "peak_host_rss_gib", "time_to_first_step_s", "data_cores", "workers"):
         vals = [r[key] for r in finished if r.get(key) is not None]
@@ -46,20 +51,22 @@ def ratios(cases: dict) -> None:
 def table(grid: dict) -> str:
     """One grid's cases as a markdown table (what the docs page holds)."""
     head = ("| MBS | path | repeats | tokens/s +-2 s.e. | x vlmfeed (CPU) | tokens/step | data wait | row fill "
-            "| data CPU-s / trained sample | steady | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "| data CPU-s / trained sample | steady | steady, workers only | peak GPU GiB |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for key, cases in grid.items():
         for path, c in cases.items():
             if not c.get("tokens_per_s"):
                 rows.append(f"| {key[3:]} | {path} | 0 | did not finish: {[r.get('rc') for r in c.get('runs', [])]} |"
-                            " | | | | | | |")
+                            " | | | | | | | |")
                 continue
             vs = c.get("tokens_per_s_vs_vlmfeed") or {}
             rows.append(f"| {int(c.get('mbs') or key[3:])} | {path} | {c['repeats']} | {c['tokens_per_s']:,.0f} "
                         f"+- {c.get('tokens_per_s_pm_2se') or 0:,.0f} | {vs.get('ratio')} +- {vs.get('pm_2se')} "
                         f"| {c.get('tokens_per_step') or 0:,.0f} | {100 * (c.get('data_wait_share') or 0):.2f}% "
                         f"| {c.get('real_token_fraction')} | {c.get('cpu_s_per_trained_sample')} "
-                        f"| {c.get('steady_cpu_s_per_trained_sample')} | {c.get('peak_mem_gib')} |")
+                        f"| {c.get('steady_cpu_s_per_trained_sample')} | {c.get('steady_worker_cpu_s_per_trained_sample')} "
+                        f"| {c.get('peak_mem_gib')} |")
     return "\n".join([head, *rows])
 
 
