@@ -126,6 +126,7 @@ def cached_tars(name: str, write: Callable[[str], object]) -> list[str]:
     once, never leave a half-written set behind."""
     out = cache_dir(name)
     done = os.path.join(out, ".complete")
+    _remove_dead_writers(out)
     if not os.path.exists(done):
         tmp = out + f".tmp{os.getpid()}"
         write(tmp)
@@ -134,6 +135,27 @@ def cached_tars(name: str, write: Callable[[str], object]) -> list[str]:
         os.replace(tmp, out)
         open(done, "w").close()
     return sorted(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".tar"))
+
+
+def _remove_dead_writers(out: str) -> None:
+    """Delete the temporary directories beside ``out`` whose writing process is gone (killed mid-write)."""
+    parent, base = os.path.split(out)
+    if not os.path.isdir(parent):
+        return
+    for entry in os.listdir(parent):
+        pid = entry[len(base) + 4:] if entry.startswith(base + ".tmp") else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _cached_shards(name: str, **opts) -> list[str]:

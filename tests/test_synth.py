@@ -443,3 +443,25 @@ def test_cli_end_to_end(tmp_path, real_shard):
 
     r = run_cli("--out", tmp_path / "x", "--samples", 1, "--profile", "nope")
     assert r.returncode != 0 and "no profile named" in r.stderr
+
+
+def test_a_writer_killed_mid_write_leaves_no_temporary_set_behind(tmp_path, monkeypatch):
+    """A cached set whose writer was killed is written again, and the dead writer's half-written
+    directory is deleted; a live writer's is left alone."""
+    from datasvc.samples import cached_tars
+
+    monkeypatch.setenv("VLMFEED_CACHE", str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone
+    dead = tmp_path / f"set.tmp{child.pid}"
+    dead.mkdir()
+    (dead / ".synth-000000.tar.tmp").write_bytes(b"half")
+    live = tmp_path / f"set.tmp{os.getppid()}"
+    live.mkdir()
+
+    def write(directory):
+        os.makedirs(directory)
+        Path(directory, "a.tar").write_bytes(b"")
+
+    assert [Path(p).name for p in cached_tars("set", write)] == ["a.tar"]
+    assert not dead.exists() and live.exists()
