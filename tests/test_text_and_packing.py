@@ -108,13 +108,38 @@ def test_hold_partial_keeps_whole_micro_batches_and_holds_the_emptiest_rows():
     kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
     late = {i for r in rows if r not in kept for i in r}
     kept2, held2 = hold_partial(fits, rows, 4, 1024, 0.95, must_go=late)
-    assert not late & {i for r in rows if r not in kept2 for i in r} and len(kept2) % 4 == 0
+    assert not {fits[i].key for i in late} & {s.key for s in held2} and len(kept2) % 4 == 0
 
     # Rows that can never fill still flow: at least half of them train.
     halves = [_sample(600, 0, f"h{i}") for i in range(40)]
     fits, rows, _ = plan_block(halves, cfg)
     kept, held = hold_partial(fits, rows, 4, 1024, 0.95)
     assert len(kept) >= len(rows) // 2 and len(kept) % 4 == 0
+
+
+def test_rows_that_must_train_below_the_floor_are_lifted_from_the_waiting_samples():
+    """A row of samples that all waited long enough, with a gap no waiting sample fits, passes one of
+    its samples to a fuller row, which gives one back to the waiting ones, and fills from them."""
+    from datasvc.pack.packing import hold_partial
+
+    lengths = [163, 163, 163, 163, 156, 156,  # waited long enough: 964 of 1,024 tokens, below 0.95
+               500, 300, 150, 40,  # a full row: 990
+               95, 81]  # a row below the floor, held for the next block
+    fits = [_sample(n, 0, f"s{i}") for i, n in enumerate(lengths)]
+    rows = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11]]
+    kept, held = hold_partial(fits, rows, 1, 1024, 0.95, must_go={0, 1, 2, 3, 4, 5})
+    fill = [sum(lengths[i] for i in row) for row in kept]
+    assert len(kept) == 2 and all(0.95 * 1024 <= f <= 1024 for f in fill)
+    assert {i for row in kept for i in row} == set(range(12)) - {fits.index(s) for s in held}
+    assert not {f"s{i}" for i in range(6)} & {s.key for s in held}  # what had to train, trains
+
+    # Where a waiting sample fits the gap, the row takes it; where nothing can lift it, it trains as is.
+    kept, held = hold_partial(fits[:6] + [_sample(40, 0, "gap")], [[0, 1, 2, 3, 4, 5], [6]], 1, 1024, 0.95,
+                              must_go={0, 1, 2, 3, 4, 5})
+    assert kept == [[0, 1, 2, 3, 4, 5, 6]] and held == []
+    kept, held = hold_partial(fits[:6] + [_sample(100, 0, "big")], [[0, 1, 2, 3, 4, 5], [6]], 1, 1024, 0.95,
+                              must_go={0, 1, 2, 3, 4, 5})
+    assert kept == [[0, 1, 2, 3, 4, 5]] and [s.key for s in held] == ["big"]
 
 
 def test_best_fit_rows_never_overflow():

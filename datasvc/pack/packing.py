@@ -145,8 +145,114 @@ def hold_partial(fits: list[EncodedSample], rows: list[list[int]], micro_batch_s
     if not extra:
         return rows, []
     held = set(order[:extra])
-    return ([row for r, row in enumerate(rows) if r not in held],
-            [fits[i] for r in sorted(held) for i in rows[r]])
+    kept = [list(row) for r, row in enumerate(rows) if r not in held]
+    waiting = [i for r in sorted(held) for i in rows[r]]
+    _top_up(kept, waiting, [s.num_tokens for s in fits], seq_len, min_fill * seq_len, must_go)
+    return kept, [fits[i] for i in waiting]
+
+
+def _top_up(rows: list[list[int]], waiting: list[int], lengths: list[int], seq_len: int, floor: float,
+            must_go: set[int] = frozenset()) -> None:
+    """Rows that train below ``floor`` tokens (they hold a sample that waited long enough, or more rows
+    were below the floor than may wait) are lifted to it, where the waiting samples allow, by the
+    first of: taking waiting samples; one of their samples (not of ``must_go``) trading places with a
+    longer waiting one; trading with another row that trains; passing a sample to another row and
+    then taking waiting ones. In place; the samples taken train now instead of a block later."""
+    for row in sorted(rows, key=lambda row: sum(lengths[i] for i in row)):
+        filled = sum(lengths[i] for i in row)
+        if filled >= floor:
+            continue
+        picked = _subset_to(waiting, lengths, floor - filled, seq_len - filled)
+        if picked is not None:
+            row.extend(picked)
+            for w in picked:
+                waiting.remove(w)
+            continue
+        trades = [(filled - lengths[i] + lengths[w], -i, -w, i, w) for i in row if i not in must_go
+                  for w in waiting if floor <= filled - lengths[i] + lengths[w] <= seq_len]
+        if trades:
+            *_, out, into = max(trades)
+            row[row.index(out)] = into
+            waiting[waiting.index(into)] = out
+            continue
+        if not _trade_with_fuller_rows(row, filled, rows, lengths, seq_len, floor):
+            _relay(row, filled, rows, waiting, lengths, seq_len, floor, must_go)
+
+
+def _subset_to(pool: list[int], lengths: list[int], low: float, high: int) -> list[int] | None:
+    """Samples of ``pool`` whose lengths sum to the most that is at most ``high`` and at least ``low``
+    (None where no such sum exists): subset sums as the bits of one integer, walked back."""
+    if high < max(low, 0):
+        return None
+    if low <= 0:
+        return []
+    mask = (1 << (high + 1)) - 1
+    reach = [1]
+    for i in pool:
+        reach.append((reach[-1] | (reach[-1] << lengths[i])) & mask)
+    total = reach[-1].bit_length() - 1
+    if total < low:
+        return None
+    picked = []
+    for k in range(len(pool), 0, -1):
+        if not reach[k - 1] >> total & 1:
+            picked.append(pool[k - 1])
+            total -= lengths[pool[k - 1]]
+    return picked
+
+
+def _trade_with_fuller_rows(row: list[int], filled: int, rows: list[list[int]], lengths: list[int],
+                            seq_len: int, floor: float) -> bool:
+    """One sample of ``row`` trades places with a longer one of another row that trains, where that
+    lifts ``row`` to ``floor`` and leaves the other row at the floor or above (or as full as it was)."""
+    best = None
+    for other in rows:
+        if other is row:
+            continue
+        theirs = sum(lengths[i] for i in other)
+        for a in row:
+            for b in other:
+                gain = lengths[b] - lengths[a]
+                if gain <= 0 or not floor <= filled + gain <= seq_len or theirs - gain < min(theirs, floor):
+                    continue
+                key = (filled + gain, theirs - gain, -a, -b)
+                if best is None or key > best[0]:
+                    best = (key, other, a, b)
+    if best is None:
+        return False
+    _, other, a, b = best
+    row[row.index(a)], other[other.index(b)] = b, a
+    return True
+
+
+def _relay(row: list[int], filled: int, rows: list[list[int]], waiting: list[int], lengths: list[int],
+           seq_len: int, floor: float, must_go: set[int]) -> bool:
+    """One sample of ``row`` moves to another row that trains, which gives up one of its samples (not
+    of ``must_go``) to the waiting ones or has room, and ``row`` then fills from the waiting samples
+    to ``floor``: for rows of samples that all waited long enough and leave a gap no waiting sample fits."""
+    for a in sorted(row, key=lambda i: (-lengths[i], i)):
+        for other in rows:
+            if other is row:
+                continue
+            theirs = sum(lengths[i] for i in other)
+            for b in [None, *[i for i in other if i not in must_go]]:
+                after = theirs + lengths[a] - (lengths[b] if b is not None else 0)
+                if not min(theirs, floor) <= after <= seq_len:
+                    continue
+                pool = waiting + ([b] if b is not None else [])
+                picked = _subset_to(pool, lengths, floor - filled + lengths[a], seq_len - filled + lengths[a])
+                if picked is None:
+                    continue
+                row.remove(a)
+                row.extend(picked)
+                other.append(a)
+                if b is not None:
+                    other.remove(b)
+                    waiting.append(b)
+                for w in picked:
+                    waiting.remove(w)
+                return True
+    return False
 
 
 HELD_SHARE = 2
