@@ -179,6 +179,14 @@ def _top_up(rows: list[list[int]], waiting: list[int], lengths: list[int], seq_l
             _relay(row, filled, rows, waiting, lengths, seq_len, floor, must_go)
 
 
+def _sums(pool: list[int], lengths: list[int], most: int) -> int:
+    """The subset sums of ``pool``'s lengths up to ``most``, as the bits of one integer."""
+    reach, mask = 1, (1 << (most + 1)) - 1
+    for i in pool:
+        reach = (reach | (reach << lengths[i])) & mask
+    return reach
+
+
 def _subset_to(pool: list[int], lengths: list[int], low: float, high: int) -> list[int] | None:
     """Samples of ``pool`` whose lengths sum to the most that is at most ``high`` and at least ``low``
     (None where no such sum exists): subset sums as the bits of one integer, walked back."""
@@ -230,7 +238,11 @@ def _relay(row: list[int], filled: int, rows: list[list[int]], waiting: list[int
     """One sample of ``row`` moves to another row that trains, which gives up one of its samples (not
     of ``must_go``) to the waiting ones or has room, and ``row`` then fills from the waiting samples
     to ``floor``: for rows of samples that all waited long enough and leave a gap no waiting sample fits."""
+    reach = _sums(waiting, lengths, seq_len)
     for a in sorted(row, key=lambda i: (-lengths[i], i)):
+        low, high = math.ceil(floor - filled + lengths[a]), seq_len - filled + lengths[a]
+        if high < low:
+            continue
         for other in rows:
             if other is row:
                 continue
@@ -238,6 +250,9 @@ def _relay(row: list[int], filled: int, rows: list[list[int]], waiting: list[int
             for b in [None, *[i for i in other if i not in must_go]]:
                 after = theirs + lengths[a] - (lengths[b] if b is not None else 0)
                 if not min(theirs, floor) <= after <= seq_len:
+                    continue
+                sums = reach if b is None else reach | (reach << lengths[b])
+                if not sums >> low & ((1 << (high - low + 1)) - 1):  # no subset lands in the gap
                     continue
                 pool = waiting + ([b] if b is not None else [])
                 picked = _subset_to(pool, lengths, floor - filled + lengths[a], seq_len - filled + lengths[a])
