@@ -13,6 +13,7 @@ import shutil
 from typing import Callable
 
 import numpy as np
+import psutil
 from PIL import Image
 
 # (loader, caption); grayscale and RGBA ones exercise the mode conversions.
@@ -144,18 +145,8 @@ def _remove_dead_writers(out: str) -> None:
         return
     for entry in os.listdir(parent):
         pid = entry[len(base) + 4:] if entry.startswith(base + ".tmp") else ""
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _cached_shards(name: str, **opts) -> list[str]:
