@@ -179,25 +179,24 @@ def _top_up(rows: list[list[int]], waiting: list[int], lengths: list[int], seq_l
             _relay(row, filled, rows, waiting, lengths, seq_len, floor, must_go)
 
 
-def _sums(pool: list[int], lengths: list[int], most: int) -> int:
-    """The subset sums of ``pool``'s lengths up to ``most``, as the bits of one integer."""
-    reach, mask = 1, (1 << (most + 1)) - 1
+def _sums(pool: list[int], lengths: list[int], most: int) -> list[int]:
+    """The subset sums up to ``most`` of each prefix of ``pool``'s lengths, each as the bits of one
+    integer (the last is the whole pool's)."""
+    mask = (1 << (most + 1)) - 1
+    reach = [1]
     for i in pool:
-        reach = (reach | (reach << lengths[i])) & mask
+        reach.append((reach[-1] | (reach[-1] << lengths[i])) & mask)
     return reach
 
 
 def _subset_to(pool: list[int], lengths: list[int], low: float, high: int) -> list[int] | None:
     """Samples of ``pool`` whose lengths sum to the most that is at most ``high`` and at least ``low``
-    (None where no such sum exists): subset sums as the bits of one integer, walked back."""
+    (None where no such sum exists): the subset sums walked back."""
     if high < max(low, 0):
         return None
     if low <= 0:
         return []
-    mask = (1 << (high + 1)) - 1
-    reach = [1]
-    for i in pool:
-        reach.append((reach[-1] | (reach[-1] << lengths[i])) & mask)
+    reach = _sums(pool, lengths, high)
     total = reach[-1].bit_length() - 1
     if total < low:
         return None
@@ -238,7 +237,8 @@ def _relay(row: list[int], filled: int, rows: list[list[int]], waiting: list[int
     """One sample of ``row`` moves to another row that trains, which gives up one of its samples (not
     of ``must_go``) to the waiting ones or has room, and ``row`` then fills from the waiting samples
     to ``floor``: for rows of samples that all waited long enough and leave a gap no waiting sample fits."""
-    reach = _sums(waiting, lengths, seq_len)
+    reach = _sums(waiting, lengths, seq_len)[-1]
+    fills = {id(other): sum(lengths[i] for i in other) for other in rows}
     for a in sorted(row, key=lambda i: (-lengths[i], i)):
         low, high = math.ceil(floor - filled + lengths[a]), seq_len - filled + lengths[a]
         if high < low:
@@ -246,7 +246,7 @@ def _relay(row: list[int], filled: int, rows: list[list[int]], waiting: list[int
         for other in rows:
             if other is row:
                 continue
-            theirs = sum(lengths[i] for i in other)
+            theirs = fills[id(other)]
             for b in [None, *[i for i in other if i not in must_go]]:
                 after = theirs + lengths[a] - (lengths[b] if b is not None else 0)
                 if not min(theirs, floor) <= after <= seq_len:
@@ -254,8 +254,7 @@ def _relay(row: list[int], filled: int, rows: list[list[int]], waiting: list[int
                 sums = reach if b is None else reach | (reach << lengths[b])
                 if not sums >> low & ((1 << (high - low + 1)) - 1):  # no subset lands in the gap
                     continue
-                pool = waiting + ([b] if b is not None else [])
-                picked = _subset_to(pool, lengths, floor - filled + lengths[a], seq_len - filled + lengths[a])
+                picked = _subset_to(waiting + ([b] if b is not None else []), lengths, low, high)
                 if picked is None:
                     continue
                 row.remove(a)
