@@ -2,7 +2,8 @@
 
 Special tokens are inserted as ids, never rendered as text and re-tokenized, so an image span is
 exactly ``vision_start + image_pad * n + vision_end`` however long it is, and text from a shard
-cannot smuggle a control token in.
+cannot smuggle a control token in. Text goes through ``tiktoken`` where that provably gives the
+tokenizer's own ids (``datasvc.pack.fast_bpe``), else through the tokenizer.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from datasvc.batch import IGNORE_INDEX
+from datasvc.pack.fast_bpe import fast_text_encoder
 from datasvc.rejects import IMAGE, VIDEO, SampleRejected
 
 
@@ -37,6 +39,7 @@ class ChatTokens:
 
 
 _CONTROL = re.compile(r"<\|[a-z_]+\|>")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ChatMLEncoder:
@@ -47,6 +50,7 @@ class ChatMLEncoder:
     def __init__(self, tokenizer: Tokenizer, tokens: ChatTokens):
         self.tokenizer = tokenizer
         self.tokens = tokens
+        self._encode_text = fast_text_encoder(tokenizer) or self._tokenizer_ids
         self._role_ids = {role: self._text(f"{role}\n") for role in ("system", "user", "assistant")}
         self._newline = self._text("\n")
 
@@ -55,6 +59,12 @@ class ChatMLEncoder:
             return []
         # A shard's text must not become a control token: break "<|...|>" spans apart.
         text = _CONTROL.sub(lambda m: m.group(0).replace("<|", "< |"), text)
+        if not text.isascii() and (lone := _SURROGATE.search(text)):  # tokenizers raises, tiktoken would replace
+            raise SampleRejected("text_not_utf8", f"a lone surrogate {lone.group()!r} in the text: not Unicode, "
+                                 "so no tokenizer can take it")
+        return self._encode_text(text)
+
+    def _tokenizer_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode(self, messages: list[dict], image_tokens: list[int],
