@@ -352,3 +352,20 @@ def test_a_case_that_cannot_finish_before_the_deadline_is_left_for_the_next_comm
     assert not (tmp_path / "energon-packed-mbs2-r0.json").exists()
     assert "energon-packed-mbs2-r0: not started (140 s to the deadline" in capsys.readouterr().out
     assert peers_grid.time_needed(120, []) == 120 and peers_grid.time_needed(120, [150]) == pytest.approx(172.5)
+
+
+def test_a_rate_holds_a_path_to_it_and_counts_its_cpu_per_second(tmp_path):
+    """``--rate``: the path is taken at that many samples a second, not faster, so its CPU per sample
+    counts what it spends per second as well as per sample."""
+    pytest.importorskip("megatron.energon")
+    out = tmp_path / "energon.json"
+    done = subprocess.run([sys.executable, "-m", "trainer.bench.peers", "data-one", "--path", "energon-packed",
+                           "--cores", "2", "--samples", "24", "--rate", "8", "--json", str(out),
+                           "--work-dir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["rate_samples_per_s"] == 8
+    assert rep["samples"] >= 24
+    assert 4 < rep["samples_per_s"] <= 8 * 1.02  # Energon delivers far faster on two cores
+    assert rep["cpu_s_per_sample"] > 0

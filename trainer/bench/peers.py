@@ -39,7 +39,7 @@ import tempfile
 import time
 
 from datasvc.batch import TrainBatch
-from datasvc.usage import HelpFormatter
+from datasvc.usage import HelpFormatter, positive_float
 from trainer.bench.peers_data import IN_RANK, PATHS, STOCK_MAX_PIXELS, STOCK_MIN_PIXELS, PeerSetting
 from trainer.bench.peers_grid import run_case
 from trainer.bench.peers_measure import Clock, ProcessTreeMeter, has_gpu, ratio
@@ -127,12 +127,16 @@ def _pad_id(setting: PeerSetting) -> int:
 # The data path alone
 # ------------------------------------------------------------------------------------------------
 def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, workers: int, samples: int,
-               report: str | None = None) -> dict:
+               report: str | None = None, rate: float | None = None) -> dict:
     """Drain one path in this process, pinned to ``cores`` cores: time to the first micro-batch;
     then, past a warm-up that outlasts the path's read-ahead (``buffered_samples``: vlmfeed holds
     up to three packed blocks), samples/s and tree CPU-s per sample over ``samples`` samples
     (totals over totals; errors from five blocks of batches); peak tree RSS. The report is written
-    to ``report`` before teardown."""
+    to ``report`` before teardown.
+
+    ``rate``: take at most this many samples a second. At full speed a path's CPU per sample leaves
+    out what it spends per second whatever it delivers (idle processes, polling, its runtime's own
+    threads); in training the step time sets the rate, and that share counts."""
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
     meter = ProcessTreeMeter().start()
     t0 = time.perf_counter()
@@ -152,15 +156,19 @@ def data_alone(name: str, setting: PeerSetting, work_dir: str, *, cores: int, wo
         clock, n, real = Clock(meter), 0, []
         start_cpu = meter.cpu_s()
         clock.mark(0)
+        rate_from = time.perf_counter()
         while n < max(samples, getattr(path, "buffered_samples", 0)):
             b = next(path)
             n += int(b.num_samples.sum())
             real.append(_real_fraction(b))
+            if rate:  # hold the next take until the rate allows it
+                time.sleep(max(0.0, rate_from + n / rate - time.perf_counter()))
             clock.mark(n)
         wall = clock.marks[-1][0] - clock.marks[0][0]
         cpu = {k: v - start_cpu[k] for k, v in meter.cpu_s().items()}
         sps, cps = clock.block_rates()
-        rep = {"path": name, "cores": cores, "workers": workers, "warmup_samples": warm, "samples": n,
+        rep = {"path": name, "cores": cores, "workers": workers, "rate_samples_per_s": rate,
+               "warmup_samples": warm, "samples": n,
                "micro_batches": len(real), "time_to_first_batch_s": round(t_first, 2), "wall_s": round(wall, 2),
                "samples_per_s": round(n / wall, 3), "samples_per_s_blocks": list(sps),
                "cpu_s_per_sample": round(cpu["total"] / n, 4), "cpu_s_per_sample_blocks": list(cps),
@@ -209,6 +217,8 @@ def data_all(args) -> dict:
         with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
             cmd = [sys.executable, "-m", "trainer.bench.peers", "data-one", "--path", name, "--json", out.name,
                    *_setting_args(args), "--cores", str(args.cores), "--samples", str(args.samples)]
+            if args.rate:
+                cmd += ["--rate", str(args.rate)]
             if args.workers:
                 cmd += ["--workers", str(args.workers)]
             print(f"[peers] data alone: {name} on {args.cores} cores", flush=True)
@@ -335,6 +345,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--workers", type=int, default=None, help="per path (default: Bridge's 2 DataLoader "
                                                                  "workers; --cores actors for the others)")
         p.add_argument("--samples", type=int, default=96)
+        p.add_argument("--rate", type=positive_float, default=None, metavar="SAMPLES_PER_S",
+                       help="take at most this many samples a second (default: as fast as each path delivers); "
+                            "CPU per sample then counts what a path spends per second, as in training")
         p.add_argument("--case-timeout", type=int, default=900)
         p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench-peers.json"))
         # The bundled photos as 384 distinct crops: one epoch outlasts every path's warm-up, so no
@@ -346,6 +359,7 @@ def _parser() -> argparse.ArgumentParser:
     one.add_argument("--cores", type=int, default=2)
     one.add_argument("--workers", type=int, default=None)
     one.add_argument("--samples", type=int, default=96)
+    one.add_argument("--rate", type=positive_float, default=None)
     one.add_argument("--json", required=True)
     one.set_defaults(large=True)
     sub.add_parser("duplication", help="the stock path's repeated preprocessing per layout")
@@ -371,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "data-one":
         data_alone(args.path, _setting(args), _work_dir(args), cores=args.cores,
                    workers=default_workers(args.path, args.cores, args.workers), samples=args.samples,
-                   report=args.json)
+                   report=args.json, rate=args.rate)
         return 0
     if args.cmd in ("train", "train-one"):
         from trainer.bench.peers_train import train_main
