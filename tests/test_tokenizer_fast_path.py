@@ -207,3 +207,17 @@ def test_a_tokenizer_tiktoken_cannot_reproduce_keeps_its_own_ids(case):
     assert fast_text_encoder(tokenizer) is None
     if case != "dropout":  # dropout's ids are random by design
         assert _chat_ids_match_the_tokenizer(tokenizer)
+
+
+def test_the_text_bench_finds_both_bundled_tokenizers_on_the_fast_path_with_the_same_ids(tmp_path):
+    import json
+
+    from datasvc.tools.bench import text as text_bench
+
+    out = tmp_path / "text.json"
+    assert text_bench.main(["--samples", "12", "--passes", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["tokenizers"]
+    assert set(rows) == {"qwen3vl", "qwen35vl"}
+    for r in rows.values():
+        assert r["fast_path_taken"] and r["samples_with_other_ids"] == 0
+        assert r["text_tokens_per_sample"] > 100  # LLaVA-style conversations, not captions

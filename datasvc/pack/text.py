@@ -47,10 +47,11 @@ class ChatMLEncoder:
     labels). Rendered as Qwen-style ChatML: no default system turn, ``<|im_start|>role\n ... <|im_end|>\n``
     per message, only assistant replies (and their ``<|im_end|>``) supervised."""
 
-    def __init__(self, tokenizer: Tokenizer, tokens: ChatTokens):
+    def __init__(self, tokenizer: Tokenizer, tokens: ChatTokens, *, fast_text: bool = True):
+        """``fast_text``: take ``tiktoken`` where it gives the tokenizer's ids (off only to compare)."""
         self.tokenizer = tokenizer
         self.tokens = tokens
-        self._encode_text = fast_text_encoder(tokenizer) or self._tokenizer_ids
+        self._encode_text = (fast_text and fast_text_encoder(tokenizer)) or self._tokenizer_ids
         self._role_ids = {role: self._text(f"{role}\n") for role in ("system", "user", "assistant")}
         self._newline = self._text("\n")
 

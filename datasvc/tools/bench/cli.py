@@ -7,6 +7,7 @@
     vlmfeed bench peers   data|train|all|duplication ...   against Bridge's loader, Energon, AutoModel, Ray Data
     vlmfeed bench video   [--formats vp9/webm h264/mp4 ...] [--sizes 640x360 1280x720] [--out results.json]
     vlmfeed bench allocator [--rounds 5] [--out DIR]   the actors' allocator settings against glibc's defaults
+    vlmfeed bench text    [--profile llava-sft] [--samples 256] [--out FILE]   chat text's tokenizer paths
 
 ``decode``: per-core decode / preprocess throughput against raw decode and the HF processors, and
 packing efficiency (``bench.decode``). ``service``: the Ray-streamed path with 1..N actors against
@@ -47,6 +48,7 @@ OWN_OPTIONS = {
     "planning": ("datasvc.tools.bench.planning", "what planning a balanced step costs a feeder"),
     "isolation": ("datasvc.tools.bench.isolation", "what the integrity checks of a sample's isolation cost"),
     "allocator": ("datasvc.tools.bench.allocator", "the preprocessing actors' allocator settings against glibc's"),
+    "text": ("datasvc.tools.bench.text", "chat text's tokens through tokenizers and through the exact tiktoken path"),
     "checkouts": ("datasvc.tools.bench.checkouts",
                   "the decode and service benches (and --benches train on a GPU machine) at two commits, alternated"),
     "peers": ("trainer.bench.peers",
