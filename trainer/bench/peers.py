@@ -1,6 +1,6 @@
 """Side by side with what users pick instead: ``vlmfeed bench peers`` (``python -m trainer.bench peers``).
 
-    vlmfeed bench peers data  [--cores 8] [--profile llava-sft]   the data paths alone, on CPU
+    vlmfeed bench peers data  [--cores 8] [--profile llava-sft] [--rate N]   the data paths alone, on CPU
     vlmfeed bench peers train [--mbs-list 2] [--padded-mbs 4]      each path feeding the same trainer (GPU)
     vlmfeed bench peers all   [--out DIR]                          both, then the ratios to vlmfeed
     vlmfeed bench peers duplication                                the stock path's repeated preprocessing
