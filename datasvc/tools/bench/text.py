@@ -42,11 +42,10 @@ def conversations(profile: str, samples: int) -> list[list[dict]]:
 
 
 def _tokenizers() -> dict:
-    from datasvc.pack.text import load_tokenizer
-    from pipelines.qwen35vl.tokenizer import bundled_tokenizer_file
-    from pipelines.qwen3vl.data import bundled_qwen3_tokenizer_dir
+    """Each bundled pipeline's tokenizer, by pipeline name (the pipelines own their tokenizers)."""
+    from datasvc.registry import get_pipeline
 
-    return {"qwen3vl": load_tokenizer(bundled_qwen3_tokenizer_dir()), "qwen35vl": load_tokenizer(bundled_tokenizer_file())}
+    return {name: get_pipeline(name).tokenizer for name in ("qwen3vl", "qwen35vl")}
 
 
 def measure(tokenizer, samples: list[list[dict]], passes: int) -> dict:
