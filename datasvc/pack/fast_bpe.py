@@ -128,11 +128,16 @@ def _plain_bpe(model: dict) -> bool:
 
 
 @lru_cache(maxsize=1)
-def _byte_of_char() -> dict[str, int]:
-    """GPT-2's printable character -> byte map, the alphabet byte-level vocabularies are written in."""
+def byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet byte-level vocabularies are written in."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     moved = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+    return {b: chr(b) for b in kept} | {b: chr(256 + i) for i, b in enumerate(moved)}
+
+
+@lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    return {c: b for b, c in byte_chars().items()}
 
 
 def _byte_alphabet_only(vocab: dict[str, int]) -> bool:

