@@ -292,7 +292,9 @@ def _setting(args) -> PeerSetting:
     if args.shards:
         shards = args.shards
     elif args.profile:
-        shards = profile_shards(args.profile, args.profile_samples)
+        from datasvc.tools.synth import cached_profile_shards
+
+        shards = cached_profile_shards(args.profile, args.profile_samples)
     else:
         shards = large_shards() if getattr(args, "large", False) else default_shards()
     return PeerSetting(shards=tuple(shards), seq_len=args.seq_len, mbs=args.mbs,
@@ -311,15 +313,6 @@ def _setting_dict(args) -> dict:
     s = _setting(args)
     return {"shards": len(s.shards), "profile": args.profile, "seq_len": s.seq_len, "mbs": s.mbs, "min_pixels": s.min_pixels,
             "max_pixels": s.max_pixels}
-
-
-def profile_shards(profile: str, samples: int) -> list[str]:
-    """``samples`` synthetic samples of ``profile`` (seed 0: the same bytes on every host), cached."""
-    from datasvc.samples import cached_tars
-    from datasvc.tools.synth.write import write_shards
-
-    return cached_tars(f"peers-{profile}-{samples}", lambda d: write_shards(
-        d, samples, profile, seed=0, processes=max(1, min(16, os.cpu_count() or 1))))
 
 
 def _work_dir(args) -> str:

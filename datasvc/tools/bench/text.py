@@ -24,13 +24,10 @@ def conversations(profile: str, samples: int) -> list[list[dict]]:
     from datasvc.read.formats import sample_messages
     from datasvc.read.shards import ReadLimits, index_shard, read_samples
     from datasvc.rejects import SampleRejected
-    from datasvc.samples import cached_tars
-    from datasvc.tools.synth.write import write_shards
+    from datasvc.tools.synth import cached_profile_shards
 
-    shards = cached_tars(f"text-{profile}-{samples}", lambda d: write_shards(
-        d, samples, profile, seed=0, processes=max(1, min(16, os.cpu_count() or 1))))
     out = []
-    for path in shards:
+    for path in cached_profile_shards(profile, samples):
         for raw in read_samples(path, index_shard(path).samples, ReadLimits()):
             if raw.problem:
                 continue

@@ -27,6 +27,6 @@ stream seeded by ``(seed, sample index)``.
 """
 from datasvc.tools.synth.calibrate import calibrate, estimate_jpeg_quality, image_statistics
 from datasvc.tools.synth.dist import PROFILES, Dist, Profile
-from datasvc.tools.synth.write import write_shards
+from datasvc.tools.synth.write import cached_profile_shards, write_shards
 
 __all__ = ["Dist", "Profile", "PROFILES", "write_shards", "calibrate", "image_statistics", "estimate_jpeg_quality"]

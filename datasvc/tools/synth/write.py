@@ -179,3 +179,10 @@ def write_shards(out_dir: str | os.PathLike, samples: int, profile: Profile | st
     return paths
 
 
+def cached_profile_shards(profile: str, samples: int) -> list[str]:
+    """``samples`` synthetic samples of ``profile`` (seed 0: the same bytes on every host), written
+    once and kept (``datasvc.samples.cached_tars``), for the benches that read one profile's samples."""
+    from datasvc.samples import cached_tars
+
+    return cached_tars(f"synth-{profile}-{samples}", lambda d: write_shards(
+        d, samples, profile, seed=0, processes=max(1, min(16, os.cpu_count() or 1))))
